@@ -1,0 +1,36 @@
+"""Shared test set-up: offline tokenizer files, the corpus location, small text fixtures."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# These machines have no internet: use the checked-out GPT-2 BPE files when they are there.
+# On a user's machine tiktoken downloads them itself.
+_TIKTOKEN = ROOT.parent / "shared" / "tiktoken"
+if _TIKTOKEN.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(_TIKTOKEN)
+
+CORPUS = ROOT.parent / "shared" / "corpus"
+requires_corpus = pytest.mark.skipif(
+    not (CORPUS / "fineweb_legalpilot_train.jsonl").exists(),
+    reason="needs ../shared/corpus (the FineWeb slice beside the checkout; CI always has it)",
+)
+
+# Our own sentences (not copied from anywhere), for tests that need English text offline.
+ENGLISH = (
+    "The small model reads a sentence and guesses the next word. "
+    "Each morning the baker opens the shop at seven, and the bread is still warm. "
+    "A student asked why the window of attention was only a few words wide. "
+    "The answer was simple: it was cheaper, and most words depend on their neighbours. "
+    "On rainy days the river rises, the ferry waits, and the town grows quiet. "
+    "We counted 12 boats, 3 bridges and 41 lamps along the northern bank. "
+)
+
+
+@pytest.fixture
+def english_text():
+    return ENGLISH
