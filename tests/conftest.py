@@ -34,3 +34,7 @@ ENGLISH = (
 @pytest.fixture
 def english_text():
     return ENGLISH
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running test (still run by CI unless deselected with -m 'not slow')")

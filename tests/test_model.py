@@ -1,0 +1,257 @@
+"""The model and the reference attention variants (issue 2): causality, exact windows,
+reductions to `full`, top-k counts, gate gradients, learning, odd lengths, and parity with
+Hugging Face's Qwen3."""
+import math
+
+import pytest
+import torch
+
+from attention import VARIANTS, causal_mask, rope_cos_sin
+from model import PRESETS, Model, ModelConfig
+
+SMALL_VOCAB = 512  # enough for structural tests; learning tests use GPT-2's real vocabulary
+WINDOWS = dict(window=6, caa_window_max=12, dsa_threshold=512)
+
+# Every variant with every ablation flag (SPEC.md "Ablations ... are flags of these classes").
+CONFIGS = [
+    ("full", {}),
+    ("local", {}),
+    *[("dsa", dict(dsa_gate=g, dsa_window=w)) for g in (True, False) for w in ("adaptive", "fixed", "none")],
+    *[("asga", dict(asga_gate=g, asga_scale=s)) for g in ("learned", "fixed", "off") for s in (True, False)],
+    *[("caa", dict(caa_gate=g, caa_topk=k)) for g in ("learned", "local", "global") for k in ("sqrt", "all")],
+]
+IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
+
+
+def make_model(attn, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = dict(PRESETS["tiny"], vocab_size=SMALL_VOCAB, attn=attn, **WINDOWS)
+    cfg.update(overrides)
+    return Model(ModelConfig(**cfg)).eval()
+
+
+def make_attention(attn, seed=0, **overrides):
+    """One attention module with its inputs, for tests that look inside a single layer."""
+    cfg = dict(PRESETS["tiny"], attn=attn, **WINDOWS)
+    cfg.update(overrides)
+    cfg = ModelConfig(**cfg)
+    torch.manual_seed(seed)
+    module = VARIANTS[attn](cfg)
+    for p in module.parameters():  # non-trivial weights everywhere, gates included
+        p.data.normal_(0, 0.3)
+    return module, cfg
+
+
+def run_attention(module, cfg, x):
+    pos = torch.arange(x.shape[1])
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+    return module(x, cos, sin, pos)
+
+
+def perturb_after(idx, t, vocab=SMALL_VOCAB):
+    other = idx.clone()
+    other[:, t + 1:] = (idx[:, t + 1:] + 1 + torch.randint(0, vocab - 1, idx[:, t + 1:].shape)) % vocab
+    return other
+
+
+@pytest.mark.parametrize("attn,overrides", CONFIGS, ids=IDS)
+def test_causal_and_prefix_invariant(attn, overrides):
+    """Logits at positions <= t never depend on tokens after t, nor on whether they exist.
+    dsa runs past its 512-token switch so the adaptive rule is checked on both sides."""
+    T = 530 if attn == "dsa" else 40
+    model = make_model(attn, **overrides)
+    idx = torch.randint(0, SMALL_VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        for t in ([5, 100, 515] if attn == "dsa" else [5, 23]):
+            changed, _ = model(perturb_after(idx, t))
+            assert (changed[:, : t + 1] - logits[:, : t + 1]).abs().max() < 1e-6
+            assert (changed[:, t + 1:] - logits[:, t + 1:]).abs().max() > 1e-4  # the check can see change
+            prefix, _ = model(idx[:, : t + 1])
+            assert (prefix - logits[:, : t + 1]).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("attn,overrides,query", [
+    ("local", {}, 30),
+    ("dsa", dict(dsa_window="fixed"), 30),
+    ("dsa", dict(dsa_window="adaptive", dsa_threshold=20), 30),
+])
+def test_window_is_exact(attn, overrides, query):
+    """A key more than `window` back has no influence on a query; a key exactly `window`
+    back does."""
+    module, cfg = make_attention(attn, **overrides)
+    x = torch.randn(1, 40, cfg.d_model)
+    with torch.no_grad():
+        base = run_attention(module, cfg, x)
+        for dist, moves in [(cfg.window + 1, False), (cfg.window + 5, False), (cfg.window, True)]:
+            x2 = x.clone()
+            x2[:, query - dist] += torch.randn(cfg.d_model)
+            diff = (run_attention(module, cfg, x2)[:, query] - base[:, query]).abs().max()
+            assert (diff > 1e-4) if moves else (diff == 0), (dist, diff)
+
+
+def test_adaptive_window_switches_at_threshold():
+    """dsa's adaptive window = the unwindowed version before position 512, the windowed after."""
+    T = 600
+    outs = {}
+    x = torch.randn(1, T, PRESETS["tiny"]["d_model"], generator=torch.Generator().manual_seed(3))
+    for mode in ("adaptive", "fixed", "none"):
+        module, cfg = make_attention("dsa", dsa_window=mode, window=64, dsa_threshold=512)
+        with torch.no_grad():
+            outs[mode] = run_attention(module, cfg, x)
+    assert (outs["adaptive"][:, :512] - outs["none"][:, :512]).abs().max() < 1e-6
+    assert (outs["adaptive"][:, 512:] - outs["fixed"][:, 512:]).abs().max() < 1e-6
+    assert (outs["fixed"][:, :512] - outs["none"][:, :512]).abs().max() > 1e-4  # they do differ
+
+
+@pytest.mark.parametrize("attn,overrides", [
+    ("asga", dict(asga_gate="off", asga_scale=False)),
+    ("dsa", dict(dsa_gate=False, dsa_window="none")),
+    ("caa", dict(caa_gate="global", caa_topk="all")),
+])
+def test_reduces_to_full(attn, overrides):
+    """With every extra off, a variant computes `full` exactly, given the same weights."""
+    full = make_model("full", seed=0)
+    for p in full.parameters():
+        p.data.normal_(0, 0.2)
+    variant = make_model(attn, seed=1, **overrides)
+    missing, unexpected = variant.load_state_dict(full.state_dict(), strict=False)
+    assert not unexpected
+    idx = torch.randint(0, SMALL_VOCAB, (2, 50))
+    with torch.no_grad():
+        assert (variant(idx)[0] - full(idx)[0]).abs().max() < 1e-5
+
+
+def test_caa_global_branch_keeps_ceil_sqrt_keys():
+    """Query i keeps exactly ceil(sqrt(i + 1)) keys, the highest-scoring ones, and only
+    those keys' values reach its output."""
+    module, cfg = make_attention("caa", caa_gate="global")
+    T = 70
+    q_pos = torch.arange(T)
+    logits = torch.randn(1, cfg.n_head, T, T)
+    causal = causal_mask(q_pos, q_pos)
+    keep = module.topk_mask(logits, q_pos, causal)
+    expected = torch.tensor([math.ceil(math.sqrt(i + 1)) for i in range(T)])
+    assert torch.equal(keep.sum(-1), expected.expand(1, cfg.n_head, T))
+    assert not (keep & ~causal).any()
+    # the kept keys are the top scores: every kept score >= every visible dropped score
+    visible = logits.masked_fill(~causal, float("-inf"))
+    lowest_kept = visible.masked_fill(~keep, float("inf")).min(-1).values
+    highest_dropped = visible.masked_fill(keep, float("-inf")).max(-1).values
+    assert (lowest_kept >= highest_dropped).all()
+
+    # through the module: changing the value of a dropped key leaves the output alone
+    q, k, v = (torch.randn(1, cfg.n_head, T, cfg.head_dim) for _ in range(3))
+    x = torch.randn(1, T, cfg.d_model)
+    with torch.no_grad():
+        scores = (q @ k.transpose(-2, -1)) * module.scale
+        keep = module.topk_mask(scores, q_pos, causal)
+        base = module.attend(q, k, v, x, q_pos, q_pos)
+        i, h = 60, 0
+        dropped = (~keep[0, h, i] & causal[i]).nonzero()[0].item()
+        kept = keep[0, h, i].nonzero()[0].item()
+        for j, moves in [(dropped, False), (kept, True)]:
+            v2 = v.clone()
+            v2[0, h, j] += 1.0
+            diff = (module.attend(q, k, v2, x, q_pos, q_pos)[0, h, i] - base[0, h, i]).abs().max()
+            assert (diff > 1e-4) if moves else (diff == 0)
+
+
+GATE_PARAMS = ("head_gate", "gamma", "w1_q", "w1_k", "b1", "w2", "b2", "mix_gate", "width")
+
+
+@pytest.mark.parametrize("attn", list(VARIANTS))
+def test_every_parameter_gets_gradient(attn):
+    """Every learned gate and scale parameter (and every other one) receives a non-zero
+    gradient from the LM loss."""
+    model = make_model(attn, window=4, caa_window_max=8).train()
+    idx = torch.randint(0, SMALL_VOCAB, (2, 33))
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    gate_params = 0
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().max() > 0, name
+        gate_params += any(g in name for g in GATE_PARAMS)
+    assert gate_params > 0 or attn in ("full", "local")
+
+
+@pytest.mark.parametrize("attn", list(VARIANTS))
+def test_init_loss_and_learns_a_batch(attn, english_text):
+    """At init the loss on random tokens is ~ln(vocab); a few dozen AdamW steps on one batch
+    of real English text (GPT-2 tokens) at least halve it."""
+    import tiktoken
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**PRESETS["tiny"], attn=attn, window=16, caa_window_max=32, dsa_threshold=32)
+    model = Model(cfg)
+    rand = torch.randint(0, 50257, (4, 65))
+    with torch.no_grad():
+        _, loss0 = model(rand[:, :-1], rand[:, 1:])
+    assert abs(loss0.item() - math.log(cfg.vocab_size)) < 0.3
+
+    tokens = torch.tensor(tiktoken.get_encoding("gpt2").encode_ordinary(english_text)[:97])[None]
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        _, loss = model(x, y)
+        first = first or loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first / 2, (first, loss.item())
+
+
+@pytest.mark.parametrize("attn", list(VARIANTS))
+def test_odd_lengths(attn):
+    """T = 1, 7, 300, 777: forward and backward run and give finite values of the right shape."""
+    model = make_model(attn, window=64, caa_window_max=128, dsa_threshold=256, n_head=2, n_kv_head=2).train()
+    for T in (1, 7, 300, 777):
+        idx = torch.randint(0, SMALL_VOCAB, (1, T + 1))
+        logits, loss = model(idx[:, :-1], idx[:, 1:])
+        assert logits.shape == (1, T, SMALL_VOCAB) and torch.isfinite(logits).all()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+
+
+def test_bad_config_names_the_valid_choices():
+    with pytest.raises(ValueError, match="full, local, dsa, asga, caa"):
+        ModelConfig(attn="flash")
+    with pytest.raises(ValueError, match="n_kv_head"):
+        ModelConfig(n_head=4, n_kv_head=3)
+
+
+def test_qwen_134m_parameter_count():
+    """The seeds' model size, counted the way `python model.py` prints it."""
+    with torch.device("meta"):
+        n = Model(ModelConfig(**PRESETS["qwen-134m"])).num_params()
+    assert 130e6 <= n <= 140e6, n
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_matches_huggingface_qwen3(n_kv_head):
+    """Same weights, same logits as transformers' Qwen3ForCausalLM (eps, RoPE convention,
+    norm-before-RoPE order, GQA)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only "
+                                       "dependency for this parity check (pip install transformers)")
+    cfg = ModelConfig(**dict(PRESETS["tiny"], n_kv_head=n_kv_head), vocab_size=SMALL_VOCAB, rope_theta=1e6)
+    torch.manual_seed(0)
+    ours = Model(cfg).eval()
+    for p in ours.parameters():
+        p.data.normal_(0, 0.1)
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True, attention_bias=False, max_position_embeddings=4096,
+        attn_implementation="eager")
+    hf_cfg.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    state = {("" if k.startswith("lm_head") else "model.") + k: v for k, v in ours.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    idx = torch.randint(0, SMALL_VOCAB, (2, 37))
+    with torch.no_grad():
+        diff = (hf(idx).logits - ours(idx)[0]).abs().max()
+    assert diff < 1e-5, diff
