@@ -1,0 +1,409 @@
+"""Data: tokenize text into llm.c-style .bin shards, read them back, batch them for DDP.
+
+Shard layout (llm.c / modded-nanogpt, so the public kjj0/fineweb10B-gpt2 shards load as
+they are): a header of 256 int32 (header[0] = 20240520 magic, header[1] = 1 version,
+header[2] = number of tokens), then the tokens as uint16. Files are named
+`{prefix}_val_000000.bin`, `{prefix}_train_000001.bin`, ...: the first shard is validation.
+
+Make shards:
+    python data.py --source=fineweb --out_dir=data/fineweb --max_tokens=20_000_000
+    python data.py --source=fineweb-gpt2 --out_dir=data/fineweb10B --shards=8
+    python data.py --source='texts/*.jsonl' --out_dir=data/mine [--val_source=val.jsonl]
+
+Read them (train.py does this):
+    loader = DistributedLoader("data/mine", B=8, T=256, rank=0, world_size=1, seed=0)
+    x, y = loader.next_batch()          # int64 (B, T) each; y is x shifted by one token
+"""
+import argparse
+import glob
+import itertools
+import json
+import os
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = HEADER_INTS * 4
+EOT = 50256  # GPT-2 <|endoftext|>, written before every document (as llm.c does)
+
+
+def _default_tiktoken_cache():
+    """Use the checked-out GPT-2 BPE files when they sit beside the repo (offline machines);
+    anywhere else tiktoken downloads them itself, so the folder is never required."""
+    local = Path(__file__).resolve().parent.parent / "shared" / "tiktoken"
+    if local.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(local)
+
+
+_default_tiktoken_cache()
+
+
+class ShardError(ValueError):
+    """A data folder or token shard that cannot be used; the message names the file, the
+    problem and the fix."""
+
+
+def _remake_hint(data_dir):
+    return (f"make shards with `python data.py --source=fineweb --out_dir={data_dir} "
+            f"--max_tokens=20000000` (needs internet) or from local files with "
+            f"`python data.py --source='path/to/*.jsonl' --out_dir={data_dir}`")
+
+
+# ----------------------------------------------------------------------------- shards
+
+def write_shard(path, tokens):
+    """Write uint16 `tokens` (N,) with the llm.c header. Atomic (tmp file + rename), so an
+    interrupted run never leaves a half-written shard under the final name."""
+    tokens = np.asarray(tokens)
+    assert tokens.dtype == np.uint16, tokens.dtype
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, len(tokens))
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_shard(path):
+    """Memory-map one shard after checking its header; returns a read-only uint16 (N,) array."""
+    path = str(path)
+    fix = f"delete it and re-create the folder with `python data.py ...` (or re-download it)"
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: truncated shard: {size} bytes is shorter than the "
+                         f"{HEADER_BYTES}-byte header; {fix}")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}): not an "
+                         f"llm.c-style GPT-2 token shard, or corrupted; {fix}")
+    if header[1] != VERSION:
+        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}); {fix}")
+    n = int(header[2])
+    expected = HEADER_BYTES + 2 * n
+    if size != expected:
+        what = "truncated shard" if size < expected else "shard longer than its header says"
+        raise ShardError(f"{path}: {what}: header says {n} tokens ({expected} bytes) but the "
+                         f"file has {size} bytes; {fix}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+def find_shards(data_dir, split):
+    """Sorted paths of `*_{split}_*.bin` in data_dir; a clear error if there are none."""
+    if not os.path.isdir(data_dir):
+        raise ShardError(f"data folder {data_dir} does not exist; {_remake_hint(data_dir)}")
+    # The split is the second-to-last `_` field, so a prefix may itself contain "_train".
+    paths = sorted(p for p in glob.glob(os.path.join(data_dir, f"*_{split}_*.bin"))
+                   if os.path.basename(p).rsplit("_", 2)[1] == split)
+    if not paths:
+        raise ShardError(f"no {split} shards (*_{split}_*.bin) in data folder {data_dir}; "
+                         f"{_remake_hint(data_dir)}")
+    return paths
+
+
+# ----------------------------------------------------------------------------- loaders
+
+class DistributedLoader:
+    """Training batches, identical whatever the number of processes.
+
+    All train tokens are viewed as one list of sequences of T+1 tokens with stride T (a
+    sequence does not cross a shard boundary, so at most T tokens per shard go unused).
+    Each epoch visits them in the order of a permutation drawn from torch.Generator seeded
+    by seed + epoch. A call on rank r of W takes sequences [cursor + r*B, cursor + (r+1)*B)
+    of that order and every rank advances cursor by W*B. So one process doing 2 micro-steps
+    sees exactly the sequences that 2 ranks doing 1 micro-step see, which makes DDP runs
+    equal to single-process runs with gradient accumulation. The tail of an epoch that
+    cannot fill a whole W*B block is skipped (the next epoch reshuffles everything).
+    """
+
+    def __init__(self, data_dir, B, T, rank=0, world_size=1, seed=0, split="train"):
+        self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
+        self.paths = find_shards(data_dir, split)
+        self.shards = [load_shard(p) for p in self.paths]
+        counts = np.array([max(len(s) - 1, 0) // T for s in self.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])  # (n_shards + 1,) first seq id
+        self.n_seq = int(self.starts[-1])
+        if self.n_seq < B * world_size:
+            raise ShardError(
+                f"{data_dir}: {sum(len(s) for s in self.shards)} {split} tokens make only "
+                f"{self.n_seq} sequences of {T + 1} tokens, fewer than one global micro-batch "
+                f"({world_size} ranks x batch_size {B}); add data, or lower --batch_size / --seq_len")
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch):
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.n_seq, generator=g).numpy()
+
+    def next_batch(self):
+        """(x, y): int64 tensors (B, T) for this rank; y[b, t] = x[b, t + 1] in the stream."""
+        B, T, W = self.B, self.T, self.world_size
+        if self.cursor + W * B > self.n_seq:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        seq = self._order[self.cursor + self.rank * B: self.cursor + (self.rank + 1) * B]  # (B,)
+        self.cursor += W * B
+        shard = np.searchsorted(self.starts, seq, side="right") - 1  # (B,) which shard
+        buf = np.empty((B, T + 1), dtype=np.int64)
+        for b, (s, i) in enumerate(zip(shard, seq)):
+            off = int(i - self.starts[s]) * T
+            buf[b] = self.shards[s][off: off + T + 1]
+        buf = torch.from_numpy(buf)
+        return buf[:, :-1], buf[:, 1:]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,
+                "n_seq": self.n_seq, "T": self.T, "global_batch": self.B * self.world_size}
+
+    def load_state_dict(self, state):
+        mine = self.state_dict()
+        for key in ("n_seq", "T", "seed"):
+            if state[key] != mine[key]:
+                raise ShardError(f"cannot resume the data position: {key} was {state[key]} "
+                                 f"when the checkpoint was written and is {mine[key]} now "
+                                 f"(different data folder, shards or settings); resume with "
+                                 f"the same --data_dir, --seq_len and --seed")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
+
+
+class ValLoader:
+    """A fixed prefix of the validation shards, the same at every evaluation.
+
+    The first n_tokens val tokens are cut into contiguous sequences of T (+1 target);
+    iterating yields this rank's (x, y) int64 (B, T) batches: global batch k holds sequences
+    [k*W*B, (k+1)*W*B) and rank r takes its B of them. n_tokens is rounded down to a whole
+    number of global batches so every rank runs the same number of forward passes (needed
+    for the all-reduce of the mean loss).
+    """
+
+    def __init__(self, data_dir, B, T, n_tokens, rank=0, world_size=1):
+        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+        shards = [load_shard(p) for p in find_shards(data_dir, "val")]
+        available = sum(len(s) for s in shards)
+        self.n_batches = min(n_tokens, available - 1) // (B * T * world_size)
+        if self.n_batches < 1:
+            raise ShardError(f"{data_dir}: {available} val tokens are fewer than one global "
+                             f"val batch ({world_size} x {B} x {T} + 1 tokens); lower "
+                             f"--batch_size / --seq_len or make a bigger val shard (--val_tokens)")
+        need = self.n_batches * B * T * world_size + 1
+        # A small prefix (val_tokens), so a plain in-memory copy is fine; may span shards.
+        self.tokens = np.concatenate([np.asarray(s[:need]) for s in shards])[:need].astype(np.int64)
+
+    def __len__(self):
+        return self.n_batches
+
+    def __iter__(self):
+        B, T, W = self.B, self.T, self.world_size
+        for k in range(self.n_batches):
+            first = (k * W + self.rank) * B  # first sequence of this rank in global batch k
+            buf = np.stack([self.tokens[(first + b) * T: (first + b) * T + T + 1] for b in range(B)])
+            buf = torch.from_numpy(buf)  # (B, T + 1)
+            yield buf[:, :-1], buf[:, 1:]
+
+
+# ----------------------------------------------------------------------------- sources
+
+def iter_local_documents(pattern, text_field="text"):
+    """Documents (str) from a path, folder or glob of .jsonl / .txt / .parquet files, in
+    sorted file order. A .jsonl line or a .parquet row is one document (its `text_field`);
+    a whole .txt file is one document (split big plain-text files yourself if you want
+    end-of-text tokens inside them)."""
+    if os.path.isdir(pattern):
+        paths = sorted(p for ext in ("jsonl", "txt", "parquet")
+                       for p in glob.glob(os.path.join(pattern, f"*.{ext}")))
+    else:
+        paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise ShardError(f"--source={pattern}: no such file, and no .jsonl/.txt/.parquet files "
+                         f"match it; give a path, a folder or a quoted glob like 'texts/*.jsonl', "
+                         f"or use --source=fineweb / --source=fineweb-gpt2")
+    for path in paths:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        row = json.loads(line)
+                        if text_field not in row:
+                            raise ShardError(f"{path}:{n}: no '{text_field}' field (keys: "
+                                             f"{sorted(row)}); pass --text_field=NAME")
+                        yield row[text_field]
+        elif path.endswith(".txt"):
+            yield Path(path).read_text(encoding="utf-8")
+        elif path.endswith(".parquet"):
+            import pyarrow.parquet as pq  # lazy: only needed for parquet sources
+            pf = pq.ParquetFile(path)
+            if text_field not in pf.schema_arrow.names:
+                raise ShardError(f"{path}: no '{text_field}' column (columns: "
+                                 f"{pf.schema_arrow.names}); pass --text_field=NAME")
+            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+                yield from batch.column(0).to_pylist()
+        else:
+            raise ShardError(f"{path}: unsupported file type; use .jsonl, .txt or .parquet")
+
+
+def iter_fineweb(name="sample-10BT"):
+    """Documents streamed from HuggingFaceFW/fineweb (nothing is downloaded up front)."""
+    from datasets import load_dataset  # lazy: heavy import, only needed for this source
+    ds = load_dataset("HuggingFaceFW/fineweb", name=name, split="train", streaming=True)
+    for row in ds:
+        yield row["text"]
+
+
+def download_fineweb_gpt2(out_dir, shards):
+    """Fetch the val shard and the first `shards` train shards (100M tokens each) of the
+    public pre-tokenized kjj0/fineweb10B-gpt2 (modded-nanogpt's cached_fineweb10B.py), then
+    check every header. Files already present are not fetched again."""
+    from huggingface_hub import hf_hub_download  # lazy: only needed for this source
+    names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, shards + 1)]
+    for name in names:
+        if not os.path.exists(os.path.join(out_dir, name)):
+            hf_hub_download(repo_id="kjj0/fineweb10B-gpt2", filename=name,
+                            repo_type="dataset", local_dir=out_dir)
+        n = len(load_shard(os.path.join(out_dir, name)))
+        print(f"{name}: {n:,} tokens")
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+_enc = None
+
+
+def _encode(text):
+    """One document -> uint16 tokens (EOT first). Runs in the worker processes."""
+    global _enc
+    if _enc is None:
+        import tiktoken
+        _enc = tiktoken.get_encoding("gpt2")
+    tokens = np.array([EOT] + _enc.encode_ordinary(text), dtype=np.int64)
+    assert tokens.max() < 2 ** 16, "GPT-2 token ids fit in uint16"
+    return tokens.astype(np.uint16)
+
+
+def _encoded(pool, docs, block=4096):
+    """Token arrays for docs, in order. pool.imap alone would pull the whole (possibly
+    endless, streamed) document iterator into memory in its feeder thread, so documents go
+    to the pool in bounded blocks."""
+    docs = iter(docs)
+    while block_docs := list(itertools.islice(docs, block)):
+        yield from pool.imap(_encode, block_docs, chunksize=16)
+
+
+class ShardWriter:
+    """Packs a token stream into shards of shard_tokens; the first shard is validation."""
+
+    def __init__(self, out_dir, prefix, shard_tokens):
+        self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
+        self.index, self.buf, self.fill, self.written = 0, np.empty(shard_tokens, np.uint16), 0, 0
+
+    def add(self, tokens):
+        """Train tokens: documents may continue into the next shard (the loader reads one
+        stream of sequences anyway, like modded-nanogpt's fineweb.py)."""
+        while len(tokens):
+            take = min(len(tokens), self.shard_tokens - self.fill)
+            self.buf[self.fill: self.fill + take] = tokens[:take]
+            self.fill, tokens = self.fill + take, tokens[take:]
+            if self.fill == self.shard_tokens:
+                self.flush()
+
+    def flush(self, split="train"):
+        if self.fill == 0 and split == "train":
+            return
+        path = os.path.join(self.out_dir, f"{self.prefix}_{split}_{self.index:06d}.bin")
+        write_shard(path, self.buf[: self.fill])
+        self.written += self.fill
+        self.index, self.fill = self.index + 1, 0
+
+
+def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_tokens=None,
+                       val_docs=None, workers=None):
+    """Tokenize documents in parallel into out_dir. The val shard takes val_tokens tokens of
+    whole documents from val_docs if given, else from the start of docs; the document that
+    crosses the val limit is cut there and its rest dropped, so no text is in both splits.
+    max_tokens bounds everything written (val included). Returns the number of tokens."""
+    from tqdm import tqdm  # lazy: only the writer shows a progress bar
+    os.makedirs(out_dir, exist_ok=True)
+    if max_tokens is not None:
+        val_tokens = min(val_tokens, max_tokens)
+    writer = ShardWriter(out_dir, prefix, max(shard_tokens, val_tokens))
+    budget = max_tokens if max_tokens is not None else float("inf")
+    bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing into {out_dir}")
+    with Pool(workers or os.cpu_count()) as pool:
+        stream = _encoded(pool, docs)
+        # Validation first: whole documents until the limit.
+        for tokens in _encoded(pool, val_docs) if val_docs is not None else stream:
+            take = min(len(tokens), val_tokens - writer.fill)
+            writer.buf[writer.fill: writer.fill + take] = tokens[:take]
+            writer.fill += take
+            bar.update(take)
+            if writer.fill == val_tokens:
+                break
+        if writer.fill == 0:
+            raise ShardError("the source has no documents; check --source")
+        val_written = writer.fill
+        writer.flush("val")
+        writer.buf = np.empty(shard_tokens, np.uint16)
+        writer.shard_tokens, budget = shard_tokens, budget - val_written
+        for tokens in stream:
+            tokens = tokens[: int(min(len(tokens), budget))]
+            writer.add(tokens)
+            budget -= len(tokens)
+            bar.update(len(tokens))
+            if budget <= 0:
+                break
+        writer.flush("train")
+    bar.close()
+    if writer.written == val_written:
+        raise ShardError(
+            f"all {val_written} tokens went to the val shard and none are left for training; "
+            f"pass a smaller --val_tokens (or --val_source=FILE for a separate val split)")
+    print(f"wrote {writer.index} shards to {out_dir}: {val_written:,} val tokens, "
+          f"{writer.written - val_written:,} train tokens")
+    return writer.written
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", required=True,
+                   help="fineweb | fineweb-gpt2 | a path, folder or glob of .jsonl/.txt/.parquet")
+    p.add_argument("--out_dir", required=True, help="folder for the .bin shards")
+    p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens (val included)")
+    p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard")
+    p.add_argument("--shards", type=int, default=1, help="fineweb-gpt2: train shards to fetch (100M tokens each)")
+    p.add_argument("--val_tokens", type=int, default=None,
+                   help="tokens in the val shard (default: min(10M, max_tokens/10), or 1M without --max_tokens)")
+    p.add_argument("--val_source", default=None, help="take the val shard from these files instead of the head of --source")
+    p.add_argument("--prefix", default=None, help="shard name prefix (default: fineweb, or text for local files)")
+    p.add_argument("--text_field", default="text", help="jsonl/parquet field holding the text")
+    p.add_argument("--fineweb_name", default="sample-10BT", help="fineweb config to stream")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    args = p.parse_args(argv)
+    try:
+        if args.source == "fineweb-gpt2":
+            os.makedirs(args.out_dir, exist_ok=True)
+            download_fineweb_gpt2(args.out_dir, args.shards)
+            return 0
+        if args.val_tokens is None:
+            args.val_tokens = 1_000_000 if args.max_tokens is None else min(10_000_000, max(args.max_tokens // 10, 1))
+        if args.source == "fineweb":
+            docs, prefix = iter_fineweb(args.fineweb_name), "fineweb"
+        else:
+            docs = iter_local_documents(args.source, args.text_field)
+            prefix = "text"
+        val_docs = iter_local_documents(args.val_source, args.text_field) if args.val_source else None
+        tokenize_to_shards(docs, args.out_dir, args.prefix or prefix, args.shard_tokens,
+                           args.val_tokens, args.max_tokens, val_docs, args.workers)
+    except ShardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
