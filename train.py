@@ -8,7 +8,8 @@ Every TrainConfig and ModelConfig field is a `--key=value` override. The run fol
 (`out_dir`) holds config.json, log.jsonl (one JSON record per step, with gate statistics at
 each evaluation, read by analyze.py) and ckpt.pt. SIGTERM / Ctrl-C finish the current step,
 write a checkpoint of it and exit with 128 + the signal number (143 / 130), so schedulers
-see an interrupted run; a second Ctrl-C abandons the step at once without a checkpoint.
+see an interrupted run (torchrun then reports its own SignalException and exits 1); a second
+Ctrl-C on a single process abandons the step at once without a checkpoint.
 """
 import hashlib
 import json
@@ -41,7 +42,7 @@ class TrainConfig:
     data_dir: str = "data/fineweb"
     out_dir: str = "out/run"
     seed: int = 1337
-    max_steps: int = 600  # optimizer steps; the lr schedule ends here
+    max_steps: int = 400  # optimizer steps; the lr schedule ends here
     stop_step: int = 0  # end this job after this step, schedule unchanged (0: at max_steps)
     seq_len: int = 128
     batch_size: int = 8  # sequences per micro-step per process
@@ -54,7 +55,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global gradient norm (0: off)
     eval_every: int = 100
-    val_tokens: int = 32768  # the fixed prefix of the val shard used at every evaluation
+    val_tokens: int = 16384  # the fixed prefix of the val shard used at every evaluation
     gate_batch: int = 4  # val sequences the gate statistics are collected on
     target_loss: float = 0.0  # log the first step whose val loss is <= this (0: off)
     ckpt_every: int = 200
@@ -112,6 +113,10 @@ def convert(key, raw, field):
 
 def parse_args(argv):
     """--key=value strings -> (TrainConfig, ModelConfig): preset, then the overrides."""
+    if "-h" in argv or "--help" in argv:
+        print(f"{__doc__}\ntraining keys: {', '.join(TRAIN_FIELDS)}\nmodel keys: {', '.join(MODEL_FIELDS)}"
+              f"\npresets: {', '.join(TRAIN_PRESETS)}; model sizes: {', '.join(PRESETS)}; --attn: {', '.join(VARIANTS)}")
+        sys.exit(0)
     overrides = {}
     for arg in argv:
         if not arg.startswith("--"):
@@ -369,9 +374,12 @@ def main(argv=None):
 
     def on_signal(signum, frame):
         nonlocal stop_signal
-        if stop_signal is not None:  # second signal: abandon the step now, no checkpoint
+        # A second signal abandons the step at once (no checkpoint), but not under torchrun:
+        # there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by torchrun),
+        # and torchrun itself SIGKILLs workers that have not exited within its timeout.
+        if stop_signal is not None and not ddp:
             raise KeyboardInterrupt
-        stop_signal = signum
+        stop_signal = stop_signal or signum
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
