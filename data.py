@@ -345,7 +345,7 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
             if writer.fill == val_tokens:
                 break
         if writer.fill == 0:
-            raise ShardError("the source has no documents; check --source")
+            raise ShardError("no documents to tokenize; check --source (and --val_source)")
         val_written = writer.fill
         writer.flush("val")
         writer.buf = np.empty(shard_tokens, np.uint16)
