@@ -11,6 +11,7 @@ write a checkpoint of it and exit with 128 + the signal number (143 / 130), so s
 see an interrupted run (torchrun then reports its own SignalException and exits 1); a second
 Ctrl-C on a single process abandons the step at once without a checkpoint.
 """
+import ctypes
 import hashlib
 import json
 import math
@@ -23,6 +24,10 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
+
+# Before torch loads OpenMP: its threads otherwise spin while waiting, and on a CPU shared
+# with other processes (2-core dev machines, CI) that made training 10x slower (measured).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
@@ -205,6 +210,20 @@ def peak_memory_gb(device):
     return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
+def keep_freed_memory():
+    """CPU, Linux/glibc: every step frees and re-allocates the (B*T, vocab) logits and their
+    gradient (200 MB each at the CPU default). glibc returns blocks that big to the OS on
+    free, and faulting them in again cost half of each step in the kernel; raising the mmap
+    and trim thresholds keeps them in the heap (1.5k -> 2.5k tok/s measured, peak RSS
+    1.3 -> 2.0 GB)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to tune
+        return
+    libc.mallopt(-3, 2**30)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
+
+
 def git_commit():
     here = os.path.dirname(os.path.abspath(__file__))
     try:
@@ -234,6 +253,8 @@ def main(argv=None):
         device = f"cuda:{local_rank}"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     if ddp:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     master = rank == 0
