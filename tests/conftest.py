@@ -5,6 +5,10 @@ from pathlib import Path
 
 import pytest
 
+# Idle OpenMP threads sleep instead of spinning: tests start subprocesses (torchrun ranks)
+# that share the 2 cores with this one, and spinning threads starve them (train.py does the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
