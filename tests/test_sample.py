@@ -1,0 +1,157 @@
+"""sample.py: KV-cache decoding equals recomputation for every variant, the rolling cache
+stays within the window, sampling options behave, and the command line loads train.py's
+checkpoints (config travelling with them) and fails clearly on bad ones."""
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import model as model_module
+import sample
+from model import Model, ModelConfig
+
+WINDOW, PROMPT, NEW = 8, 5, 44  # generation runs to position 49, far past every window
+VARIANTS = {
+    "full": dict(attn="full"),
+    "local": dict(attn="local"),
+    "dsa_adaptive": dict(attn="dsa", dsa_window="adaptive", dsa_threshold=16),
+    "dsa_fixed": dict(attn="dsa", dsa_window="fixed"),
+    "asga": dict(attn="asga"),
+    "asga_fixed": dict(attn="asga", asga_gate="fixed"),
+    "caa": dict(attn="caa", caa_window_max=16),
+}
+# Variants whose cache must roll: query position from which it holds <= window (+1 in a step).
+ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16}
+
+
+def tiny_model(seed=0, vocab=128, **kw):
+    """A 2-layer grouped-query model with weights large enough that the logits are far from
+    uniform, so greedy tokens vary and a wrong cache changes them."""
+    cfg = ModelConfig(vocab_size=vocab, n_layer=2, n_head=4, n_kv_head=2, head_dim=8, d_model=32,
+                      mlp_hidden=64, window=WINDOW, **kw)
+    torch.manual_seed(seed)
+    m = Model(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5 if p.dim() == 2 else 0.3)
+    return m
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_cached_greedy_equals_recomputed_greedy(name, monkeypatch):
+    m = tiny_model(seed=3, **VARIANTS[name])  # a seed whose greedy tokens vary for all variants
+    prompt = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+
+    seen = []  # (query position, cached keys while attending) for every layer and step
+    update = model_module.KVCache.update
+
+    def spy(self, k, v, pos):
+        out = update(self, k, v, pos)
+        seen.append((int(pos[-1]), len(self)))
+        return out
+
+    monkeypatch.setattr(model_module.KVCache, "update", spy)
+    after = []  # cached keys per layer after every step
+    cached = sample.generate(m, prompt, NEW, temperature=0, use_cache=True,
+                             on_step=lambda cache: after.append([len(c) for c in cache]))
+    monkeypatch.undo()
+    recomputed = sample.generate(m, prompt, NEW, temperature=0, use_cache=False)
+
+    assert cached.shape == (2, PROMPT + NEW)
+    assert torch.equal(cached, recomputed), f"{name}: cached decoding diverged from recomputation"
+    assert min(len(set(row[PROMPT:].tolist())) for row in cached) > 4, "degenerate test model"
+    assert len(seen) == 2 * NEW and len(after) == NEW
+    if name in ROLLING:
+        start = ROLLING[name]
+        during = [n for pos, n in seen if pos >= start]
+        assert during and max(during) <= WINDOW + 1, f"{name}: rolling cache grew to {max(during)}"
+        assert max(n for pos, n in seen if pos >= start + 1) == WINDOW + 1  # it is full, not empty
+        assert all(max(layers) <= WINDOW for layers, (pos, _) in zip(after, seen[::2]) if pos >= start)
+    else:  # the full cache keeps every key
+        assert after[-1] == [PROMPT + NEW - 1] * 2
+
+
+def test_sampling_respects_seed_top_k_and_temperature():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0, 2.9]]).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    draws = sample.sample_next(logits, temperature=1.0, top_k=3, generator=g)
+    assert set(draws.flatten().tolist()) == {1, 3, 5}  # the three largest logits only
+    assert torch.equal(sample.sample_next(logits[:1], temperature=0), torch.tensor([[1]]))
+    cold = sample.sample_next(logits, temperature=0.05, generator=g)
+    assert (cold == 1).float().mean() > 0.8  # low temperature concentrates on the argmax
+    m = tiny_model(attn="caa", caa_window_max=16)
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    a, b, c = (sample.generate(m, prompt, 20, temperature=1.0, top_k=50,
+                               generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = sample.generate(m, prompt, 20, temperature=0)
+    assert torch.equal(sample.generate(m, prompt, 20, temperature=1.0, top_k=1), greedy)
+
+
+def save_run(tmp_path, prefix="", seq_len=16, **kw):
+    """A checkpoint in train.py's format (model state, model_config, train_config, step)."""
+    m = tiny_model(vocab=50304, **kw)
+    state = {prefix + k: v for k, v in m.state_dict().items()}
+    torch.save({"model": state, "model_config": asdict(m.cfg), "train_config": {"seq_len": seq_len},
+                "step": 3}, tmp_path / "ckpt.pt")
+    return m
+
+
+def test_command_line_generates_from_a_run_dir(tmp_path, capsys, english_text):
+    m = save_run(tmp_path, attn="dsa", dsa_window="fixed")
+    prompt = "The baker opens the shop"
+    sample.main([f"--ckpt={tmp_path}", f"--prompt={prompt}", "--max_new_tokens=6", "--temperature=0"])
+    out = capsys.readouterr()
+    text, stats = out.out.split("---\n")
+    assert text.startswith(prompt) and len(text) > len(prompt)
+    assert "6 tokens in" in stats and "tokens/s" in stats
+    # the same tokens as generate() on the model itself: the config travelled with the file
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    idx = torch.tensor([enc.encode(prompt)])
+    assert text.rstrip("\n") == enc.decode(sample.generate(m, idx, 6, temperature=0)[0].tolist())
+
+    # a prompt longer than the training context (16 tokens) keeps its last 16, with a note
+    (tmp_path / "long.txt").write_text(english_text)
+    sample.main([f"--ckpt={tmp_path / 'ckpt.pt'}", f"--prompt_file={tmp_path / 'long.txt'}",
+                 "--max_new_tokens=3", "--top_k=5", "--seed=3"])
+    out = capsys.readouterr()
+    assert "keeping its last 16" in out.err
+    tail = enc.decode(enc.encode(english_text)[-16:])
+    assert out.out.startswith(tail) and "3 tokens in" in out.out
+
+
+def test_loader_tolerates_compiled_and_ddp_prefixes_and_extra_keys(tmp_path):
+    m = save_run(tmp_path, prefix="_orig_mod.module.", attn="asga")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    ckpt["model_config"]["from_the_future"] = 1
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    loaded, _ = sample.load_checkpoint(tmp_path)
+    assert loaded.cfg.attn == "asga"
+    for k, v in m.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "not_a_checkpoint", "wrong_shape"])
+def test_bad_checkpoints_exit_with_a_message_naming_the_path(tmp_path, damage):
+    path = tmp_path / "ckpt.pt"
+    if damage == "garbage":
+        path.write_bytes(b"this is not a torch file")
+    elif damage == "not_a_checkpoint":
+        torch.save([1, 2, 3], path)
+    elif damage == "wrong_shape":
+        save_run(tmp_path)
+        ckpt = torch.load(path, weights_only=False)
+        ckpt["model_config"]["d_model"] = 48
+        torch.save(ckpt, path)
+    with pytest.raises(SystemExit) as e:
+        sample.main([f"--ckpt={tmp_path}", "--max_new_tokens=2"])
+    assert str(path) in str(e.value) and "Traceback" not in str(e.value)
+
+
+def test_bad_arguments_list_the_valid_ones():
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        sample.main(["--ckpt=x", "--max_tokens=3"])
+    with pytest.raises(SystemExit, match="wants a float"):
+        sample.main(["--ckpt=x", "--temperature=hot"])
