@@ -1,0 +1,651 @@
+"""What the runs learned: loss curves, gate dynamics, gates by token category, attention maps.
+
+    python analyze.py                               # the most recent runs under out/
+    python analyze.py out/full out/dsa out/caa      # these runs
+    python analyze.py RUN ... [--out_dir=out/analysis] [--target_loss=5.0] [--text=FILE]
+                      [--layer=-1] [--head=0] [--n_tokens=2048] [--max_runs=8]
+
+A run is a train.py output folder: config.json, log.jsonl (one record per step; evaluation
+steps carry `val` and the gate statistics of model.gate_stats()) and ckpt.pt. Figures and
+`summary.md` (a table of the runs) go to --out_dir; `summary.json` holds the same numbers.
+
+Table columns, all read from log.jsonl: the last logged validation loss; tokens/s, the
+median of the per-step `tok_s` (step 1 left out: it pays for warm-up and compilation);
+peak memory, the largest `mem_gb` logged (GPU: max_memory_allocated; CPU: peak RSS); both
+also as a ratio to the `full` run when one is present; and the first evaluation step whose
+validation loss is <= the target loss (the seeds' "convergence speed"). The target is
+--target_loss when given, else the final validation loss of the `full` run (steps to
+match the baseline), else the highest final validation loss among the runs (so every run
+reaches it).
+
+Gates by token category and attention maps need the checkpoint and some text: --text (a
+.txt or .jsonl file), else the run's validation shard (train_config's data_dir); without
+either these figures are skipped with a note in summary.md.
+"""
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+# Before torch loads OpenMP: idle threads sleep instead of spinning, which matters on a
+# CPU shared with other processes (train.py and the tests do the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np
+import torch
+
+DEFAULT_ROOT = "out"  # train.py's out_dir is out/run: one folder per run under out/
+DEFAULTS = dict(out_dir="out/analysis", target_loss=0.0, text="", layer=-1, head=0,
+                n_tokens=2048, attn_tokens=48, max_runs=8, root=DEFAULT_ROOT)
+CATEGORIES = ("punctuation", "digits", "function words", "capitalised", "other")
+# Common English function words (articles, pronouns, prepositions, conjunctions, auxiliaries).
+FUNCTION_WORDS = frozenset("""
+a an the and or but nor so yet if then than as of to in on at by for with from into onto
+about over under after before between through during without within up down out off
+is are was were be been being am do does did have has had will would can could shall should
+may might must it its this that these those he him his she her hers they them their we us
+our you your i me my not no who whom whose which what when where why how there here all
+any some each every such""".split())
+
+
+def variant_flags(m):
+    """The model-config flags that name an ablation or a setting of m's variant and that
+    matter given the others (e.g. dsa_threshold only with dsa_window='adaptive')."""
+    return {
+        "full": (),
+        "local": ("window",),
+        "dsa": ("dsa_gate", "dsa_window") + {"none": (), "fixed": ("window",)}.get(
+            m.get("dsa_window"), ("window", "dsa_threshold")),
+        "asga": ("asga_gate", "asga_scale") + {"learned": ("asga_hidden",), "fixed": ("window",)}.get(
+            m.get("asga_gate"), ()),
+        "caa": ("caa_gate", "caa_topk", "window", "caa_window_max", "caa_tau", "caa_hidden"),
+    }.get(m.get("attn"), ())
+
+
+class RunError(Exception):
+    """A run folder that cannot be analysed; the message names the path and the problem."""
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _default_tiktoken_cache():
+    """Use the checked-out GPT-2 BPE files when they sit beside the repo (offline machines)."""
+    local = Path(__file__).resolve().parent.parent / "shared" / "tiktoken"
+    if local.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(local)
+
+
+# ----------------------------------------------------------------------------- runs
+
+def load_run(path):
+    """A run folder -> {'name', 'path', 'model', 'train', 'steps': [records], 'evals': [...]}.
+
+    `steps` are log.jsonl's per-step records (event records such as start/end are left out,
+    lines cut short by a kill are skipped, and a step logged twice (a resumed run) keeps its
+    last record); `evals` are the ones with a validation loss."""
+    path = Path(path)
+    if not path.exists():
+        raise RunError(f"{path}: no such run folder")
+    if not path.is_dir():
+        path = path.parent  # a run's ckpt.pt or log.jsonl was named
+    log_path = path / "log.jsonl"
+    if not log_path.is_file():
+        raise RunError(f"{path}: not a train.py run (no log.jsonl)")
+    try:
+        lines = log_path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunError(f"{log_path}: cannot read ({e})") from None
+    by_step, start = {}, {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if "event" in record:
+            if record["event"] in ("start", "resume"):
+                start = record
+            continue
+        by_step[record["step"]] = record
+    if not by_step:
+        raise RunError(f"{log_path}: holds no step records")
+    config = {}
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = start  # the start record carries the same run information
+    model, train = config.get("model"), config.get("train")
+    if not isinstance(model, dict) or "attn" not in model:
+        raise RunError(f"{path}: no model config (config.json missing or unreadable, and no "
+                       f"start record in log.jsonl)")
+    steps = [by_step[s] for s in sorted(by_step)]
+    return {"name": path.name, "path": path, "model": model, "train": train or {},
+            "device": config.get("device", "?"), "steps": steps,
+            "evals": [r for r in steps if isinstance(r.get("val"), (int, float))]}
+
+
+def recent_runs(root, max_runs):
+    """The newest run of each distinct configuration under root, at most max_runs of them,
+    oldest first. Folders that are not readable runs are skipped with a note."""
+    root = Path(root)
+    if not root.is_dir():
+        raise RunError(f"{root}: no runs folder (train.py writes runs to out/NAME; or name "
+                       f"the runs: python analyze.py RUN [RUN ...])")
+    candidates = sorted((p for p in root.iterdir() if (p / "log.jsonl").is_file()),
+                        key=lambda p: (p / "log.jsonl").stat().st_mtime, reverse=True)
+    runs, seen = [], set()
+    for path in candidates:
+        try:
+            run = load_run(path)
+        except RunError as e:
+            print(f"note: skipping {e}", file=sys.stderr)
+            continue
+        key = (describe(run), run["train"].get("model"))
+        if key not in seen:
+            seen.add(key)
+            runs.append(run)
+        if len(runs) == max_runs:
+            break
+    if not runs:
+        raise RunError(f"{root}: holds no readable runs (folders with log.jsonl)")
+    return runs[::-1]
+
+
+def describe(run):
+    """'dsa (dsa_window=fixed, window=8)': the variant and its non-default flags."""
+    from model import ModelConfig
+
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    attn = run["model"]["attn"]
+    flags = [f"{k}={run['model'][k]}" for k in variant_flags(run["model"])
+             if k in run["model"] and run["model"][k] != defaults.get(k)]
+    return attn + (f" ({', '.join(flags)})" if flags else "")
+
+
+# ----------------------------------------------------------------------------- table
+
+def _tok_s(record):
+    for key in ("tok_s", "tok_per_s", "tokens_per_s"):
+        if isinstance(record.get(key), (int, float)):
+            return record[key]
+    return None
+
+
+def _mem_gb(record):
+    for key in ("mem_gb", "peak_mem_gb"):
+        if isinstance(record.get(key), (int, float)):
+            return record[key]
+    value = record.get("peak_mem")
+    if isinstance(value, (int, float)):
+        return value / 1e9 if value > 1e6 else value  # bytes, or already GB
+    return None
+
+
+def summarize(run):
+    """The table's numbers for one run, straight from its log (module docstring)."""
+    speeds = [v for r in run["steps"] if (v := _tok_s(r)) is not None]
+    speeds = speeds[1:] or speeds  # the first timed step pays for warm-up and compilation
+    mems = [v for r in run["steps"] if (v := _mem_gb(r)) is not None]
+    last = run["evals"][-1] if run["evals"] else None
+    return {"name": run["name"], "path": str(run["path"]), "variant": describe(run),
+            "attn": run["model"]["attn"], "model": run["train"].get("model", "?"),
+            "device": run["device"], "last_step": run["steps"][-1]["step"],
+            "final_val": last["val"] if last else None, "final_val_step": last["step"] if last else None,
+            "tok_s": statistics.median(speeds) if speeds else None,
+            "mem_gb": max(mems) if mems else None}
+
+
+def steps_to_target(run, target):
+    """The first evaluation step whose validation loss is <= target (None: never)."""
+    return next((r["step"] for r in run["evals"] if r["val"] <= target), None)
+
+
+def choose_target(rows, given):
+    finals = [r["final_val"] for r in rows if r["final_val"] is not None]
+    full = [r["final_val"] for r in rows if r["attn"] == "full" and r["final_val"] is not None]
+    if given > 0:
+        return given, "given with --target_loss"
+    if full:
+        return full[-1], "the final validation loss of the `full` run (steps to match the baseline)"
+    if finals:
+        return max(finals), "the highest final validation loss among these runs (every run reaches it)"
+    return None, "no run has a validation loss"
+
+
+def build_table(runs, target_loss=0.0):
+    rows = [summarize(run) for run in runs]
+    target, rule = choose_target(rows, target_loss)
+    full = next((r for r in rows if r["attn"] == "full"), None)
+    for run, row in zip(runs, rows):
+        row["steps_to_target"] = steps_to_target(run, target) if target is not None else None
+        for key in ("tok_s", "mem_gb"):
+            ok = full is not None and full[key] and row[key] is not None
+            row[f"{key}_vs_full"] = row[key] / full[key] if ok else None
+    return {"target_loss": target, "target_rule": rule, "runs": rows}
+
+
+def _fmt(value, spec, suffix=""):
+    return "–" if value is None else format(value, spec) + suffix
+
+
+def table_markdown(table):
+    lines = ["| run | variant and flags | model | val loss (step) | tok/s | vs full | peak mem GB "
+             "| vs full | steps to target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in table["runs"]:
+        val = "–" if r["final_val"] is None else f"{r['final_val']:.4f} ({r['final_val_step']})"
+        reached = r["steps_to_target"] if r["steps_to_target"] is not None else "not reached"
+        lines.append(f"| {r['name']} | {r['variant']} | {r['model']} | {val} | {_fmt(r['tok_s'], '.0f')} "
+                     f"| {_fmt(r['tok_s_vs_full'], '.2f', 'x')} | {_fmt(r['mem_gb'], '.2f')} "
+                     f"| {_fmt(r['mem_gb_vs_full'], '.2f', 'x')} "
+                     f"| {reached} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- training figures
+
+def plot_losses(runs, path):
+    """Train loss (thin) and validation loss (markers) of every run on one plot."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        train = [(r["step"], r["loss"]) for r in run["steps"] if isinstance(r.get("loss"), (int, float))]
+        if train:
+            ax.plot(*zip(*train), color=color, alpha=0.35, lw=0.8)
+        if run["evals"]:
+            ax.plot([r["step"] for r in run["evals"]], [r["val"] for r in run["evals"]], "o-",
+                    color=color, ms=3, label=f"{run['name']}: {describe(run)}")
+    ax.set(xlabel="step", ylabel="loss", title="train (thin) and validation (dots) loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def gate_history(run):
+    """{gate name: (steps, array (n_evals, layers, heads) of per-head means)} from the log."""
+    out = {}
+    for r in run["evals"]:
+        for name, stats in (r.get("gates") or {}).items():
+            if isinstance(stats, dict) and stats.get("mean"):
+                out.setdefault(name, ([], []))
+                out[name][0].append(r["step"])
+                out[name][1].append(np.array(stats["mean"], dtype=np.float64))
+    return {name: (steps, np.stack(means)) for name, (steps, means) in out.items()
+            if len({m.shape for m in means}) == 1}
+
+
+def plot_gate_history(run, history, path):
+    """Per gate: a heatmap of the per-head mean over training (rows layer.head, columns
+    evaluation steps), and the final layer x head map beside it."""
+    plt = _plt()
+    names = sorted(history)
+    fig, axes = plt.subplots(len(names), 2, figsize=(10, 2.6 * len(names) + 0.6), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]})
+    for (ax, ax_final), name in zip(axes, names):
+        steps, means = history[name]  # means (E, L, H)
+        E, L, H = means.shape
+        im = ax.imshow(means.reshape(E, L * H).T, aspect="auto", cmap="viridis", interpolation="nearest")
+        ticks = range(0, E, max(1, E // 8))
+        ax.set_xticks(list(ticks), [str(steps[t]) for t in ticks], fontsize=7)
+        ax.set_yticks(range(L * H), [f"L{l}.H{h}" for l in range(L) for h in range(H)],
+                      fontsize=max(4, 8 - L * H // 16))
+        ax.set(xlabel="step", title=f"{name}: per-head mean over training")
+        fig.colorbar(im, ax=ax).ax.ticklabel_format(useOffset=False)
+        im = ax_final.imshow(means[-1], aspect="auto", cmap="viridis", interpolation="nearest")
+        ax_final.set(xlabel="head", ylabel="layer", title=f"step {steps[-1]}")
+        ax_final.set_xticks(range(H))
+        ax_final.set_yticks(range(L))
+        for l in range(L):
+            for h in range(H):
+                if L * H <= 64:
+                    ax_final.text(h, l, f"{means[-1, l, h]:.2g}", ha="center", va="center",
+                                  fontsize=6, color="w")
+        fig.colorbar(im, ax=ax_final).ax.ticklabel_format(useOffset=False)
+    fig.suptitle(f"{run['name']}: {describe(run)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_variant_dynamics(run, history, path):
+    """asga: softplus(gamma) per head and the mean pair gate over training; caa: the mix
+    gate (share of the local branch) and the learned window width, per layer."""
+    attn = run["model"]["attn"]
+    panels = {"asga": [("scale", "softplus(gamma) per head", True),
+                       ("pair_gate", "mean pair gate s per layer", False)],
+              "caa": [("mix_gate", "mix gate g (local share) per layer", False),
+                      ("window", "local window width (tokens) per layer", False)]}.get(attn, [])
+    panels = [p for p in panels if p[0] in history]
+    if not panels:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (name, title, per_head) in zip(axes[0], panels):
+        steps, means = history[name]  # (E, L, H)
+        for l in range(means.shape[1]):
+            if per_head:
+                for h in range(means.shape[2]):
+                    ax.plot(steps, means[:, l, h], color=f"C{l % 10}", lw=0.9, alpha=0.8,
+                            label=f"layer {l}" if h == 0 else None)
+            else:
+                ax.plot(steps, means[:, l].mean(-1), "o-", ms=2.5, color=f"C{l % 10}", label=f"layer {l}")
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{run['name']}: {describe(run)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------- text-based figures
+
+def token_category(piece):
+    """One of CATEGORIES for a decoded token (leading space ignored)."""
+    s = piece.strip()
+    if not s or "\ufffd" in s:  # whitespace, or a fragment of a multi-byte character
+        return "other"
+    if any(c.isdigit() for c in s) and not any(c.isalpha() for c in s):
+        return "digits"
+    if not any(c.isalnum() for c in s):
+        return "punctuation"
+    if s.lower() in FUNCTION_WORDS:
+        return "function words"
+    if s[0].isupper():
+        return "capitalised"
+    return "other"
+
+
+def load_text_tokens(run, text_path, n_tokens):
+    """Token ids to analyse on, and where they came from; (None, why not) when there are none."""
+    if text_path:
+        path = Path(text_path)
+        try:
+            raw = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            return None, f"cannot read --text {path} ({e})"
+        if path.suffix == ".jsonl":
+            docs = []
+            for line in raw.splitlines():
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if sum(map(len, docs)) > 8 * n_tokens:
+                    break
+            raw = "\n\n".join(docs)
+        _default_tiktoken_cache()
+        import tiktoken
+
+        tokens = tiktoken.get_encoding("gpt2").encode_ordinary(raw)[:n_tokens]
+        return (tokens, f"--text {path}") if tokens else (None, f"--text {path} is empty")
+    data_dir = run["train"].get("data_dir")
+    if not data_dir:
+        return None, "no --text and no data_dir in the run's config"
+    import data
+
+    try:
+        shard = data.load_shard(data.find_shards(data_dir, "val")[0])
+    except (data.ShardError, OSError) as e:
+        return None, f"no --text and the run's validation data is unavailable ({e})"
+    return np.asarray(shard[:n_tokens]).astype(np.int64).tolist(), f"validation shard of {data_dir}"
+
+
+def _chunks(tokens, T, vocab):
+    """(N, T) batch of whole chunks of at most T tokens (ids beyond the model's vocab dropped)."""
+    tokens = [t for t in tokens if t < vocab]
+    T = min(T, len(tokens))
+    n = len(tokens) // T
+    return torch.tensor(tokens[: n * T], dtype=torch.long).view(n, T)
+
+
+@torch.no_grad()
+def gate_by_category(model, idx, decode):
+    """{gate: {category: [per-layer mean]}, 'count': {category: n}}: the per-token gate (mean
+    over heads) averaged over the tokens of each category. idx (N, T)."""
+    cats = torch.tensor([[CATEGORIES.index(token_category(decode(t))) for t in row] for row in idx.tolist()])
+    model.record_gates(True)
+    model(idx)
+    layers = model.gate_tensors()
+    model.record_gates(False)
+    out = {}
+    for layer in layers:
+        for name, g in layer.items():
+            if g.shape[:2] != idx.shape:  # per-head constants (asga's scale) have no tokens
+                continue
+            g = g.float().mean(-1)  # (N, T): mean over heads
+            per_cat = [g[cats == c].mean().item() if (cats == c).any() else None for c in range(len(CATEGORIES))]
+            for c, v in zip(CATEGORIES, per_cat):
+                out.setdefault(name, {}).setdefault(c, []).append(v)
+    out["count"] = {c: int((cats == i).sum()) for i, c in enumerate(CATEGORIES)}
+    return out
+
+
+def plot_gate_by_category(run, by_cat, path):
+    plt = _plt()
+    names = [n for n in by_cat if n != "count"]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        L = len(next(iter(by_cat[name].values())))
+        width = 0.8 / L
+        for l in range(L):
+            values = [by_cat[name][c][l] for c in CATEGORIES]
+            xs = [i + (l - (L - 1) / 2) * width for i in range(len(CATEGORIES))]
+            ax.bar(xs, [math.nan if v is None else v for v in values], width, color=f"C{l % 10}",
+                   label=f"layer {l}")
+        ax.set_xticks(range(len(CATEGORIES)),
+                      [f"{c}\n(n={by_cat['count'][c]})" for c in CATEGORIES], fontsize=7)
+        ax.set(title=f"{name} (mean over heads) by token category")
+        if name != "window":
+            ax.set_ylim(0, 1)
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{run['name']}: {describe(run)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def capture_attend_inputs(model, idx, layer):
+    """Run model(idx) and return the arguments its layer's `attend` received:
+    {'q', 'k', 'v', 'x', 'q_pos', 'k_pos'} (q (B, H, T, D), k and v (B, Hkv, S, D))."""
+    attn = model.layers[layer].self_attn
+    seen = {}
+
+    def spy(q, k, v, x, q_pos, k_pos):
+        seen.update(q=q, k=k, v=v, x=x, q_pos=q_pos, k_pos=k_pos)
+        return type(attn).attend(attn, q, k, v, x, q_pos, k_pos)
+
+    attn.attend = spy  # shadows the class's method on this instance only
+    try:
+        with torch.no_grad():
+            model(idx)
+    finally:
+        del attn.attend
+    return seen
+
+
+@torch.no_grad()
+def attention_weights(attn, q, k, x, q_pos, k_pos):
+    """(B, H, T, S): the weights with which the layer mixes values, from its reference `attend`.
+
+    Every variant's output is linear in v, so attend(q, k, v = identity) returns the mixing
+    matrix itself: the softmax weights for full, local and asga; those times the head gate
+    for dsa (rows sum to g); for caa the g-weighted sum of the local and the top-k weights."""
+    B, n_kv, S, _ = k.shape
+    eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(B, n_kv, S, S)  # values = one-hot keys
+    return attn.attend(q, k, eye, x, q_pos, k_pos)
+
+
+def plot_attention(maps, pieces, layer, head, path):
+    """maps: [(title, (T, T) weights)] of several runs on the same passage."""
+    plt = _plt()
+    T = len(pieces)
+    fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps) + 1, 4.8), squeeze=False)
+    labels = [repr(p)[1:-1][:10] for p in pieces]
+    for i, (ax, (title, w)) in enumerate(zip(axes[0], maps)):
+        ax.imshow(w, cmap="magma", vmin=0, interpolation="nearest")
+        step = max(1, T // 24)
+        ax.set_xticks(range(0, T, step), labels[::step], rotation=90, fontsize=5)
+        ax.set_yticks(range(0, T, step), labels[::step] if i == 0 else [], fontsize=5)
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("key")
+    axes[0][0].set_ylabel("query")
+    fig.suptitle(f"attention weights, layer {layer}, head {head}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv):
+    args, runs = dict(DEFAULTS), []
+    for arg in argv:
+        if not arg.startswith("--"):
+            runs.append(arg)
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if not eq or key not in DEFAULTS:
+            sys.exit(f"analyze.py: bad option {arg!r}; use RUN_DIR ... and --key=value with key "
+                     f"one of: {', '.join(DEFAULTS)}")
+        kind = type(DEFAULTS[key])
+        try:
+            args[key] = kind(value)
+        except ValueError:
+            sys.exit(f"analyze.py: --{key} wants a {kind.__name__}, got {value!r}")
+    return runs, args
+
+
+def analyze(runs, args):
+    """Write the figures, summary.md and summary.json for these runs into args['out_dir']."""
+    from sample import CheckpointError, load_checkpoint
+
+    out = Path(args["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    figures, notes, by_category = [], [], {}
+    taken = {}
+    for run in runs:  # runs from different folders may share a name: figure files must not
+        taken[run["name"]] = taken.get(run["name"], 0) + 1
+        if taken[run["name"]] > 1:
+            run["name"] = f"{run['name']}-{taken[run['name']]}"
+    table = build_table(runs, args["target_loss"])
+
+    plot_losses(runs, out / "loss.png")
+    figures.append(("loss.png", "train and validation loss"))
+    for run in runs:
+        history = gate_history(run)
+        if history:
+            plot_gate_history(run, history, out / f"gates_{run['name']}.png")
+            figures.append((f"gates_{run['name']}.png", f"{run['name']}: gate statistics over training"))
+            if plot_variant_dynamics(run, history, out / f"dynamics_{run['name']}.png"):
+                figures.append((f"dynamics_{run['name']}.png", f"{run['name']}: {run['model']['attn']} gate dynamics"))
+
+    maps, pieces, layer_used = [], None, None
+    for run in runs:
+        try:
+            model, _ = load_checkpoint(run["path"], "cpu", kernel="ref")
+        except CheckpointError as e:
+            notes.append(f"{run['name']}: no gate-by-category or attention figure: {e}")
+            continue
+        tokens, source = load_text_tokens(run, args["text"], args["n_tokens"])
+        if tokens is None:
+            notes.append(f"{run['name']}: no gate-by-category or attention figure: {source}")
+            continue
+        seq_len = run["train"].get("seq_len") or 256
+        idx = _chunks(tokens, seq_len, model.cfg.vocab_size)
+        if idx.numel() == 0:
+            notes.append(f"{run['name']}: the text ({source}) has no tokens the model knows")
+            continue
+        _default_tiktoken_cache()
+        import tiktoken
+
+        enc = tiktoken.get_encoding("gpt2")
+        decode = lambda t: enc.decode_single_token_bytes(t).decode("utf-8", errors="replace")
+        by_cat = gate_by_category(model, idx, decode)
+        if len(by_cat) > 1:
+            by_category[run["name"]] = by_cat
+            plot_gate_by_category(run, by_cat, out / f"categories_{run['name']}.png")
+            figures.append((f"categories_{run['name']}.png", f"{run['name']}: gate by token category ({source})"))
+        n_layer = model.cfg.n_layer
+        layer = args["layer"] % n_layer
+        head = min(args["head"], model.cfg.n_head - 1)
+        passage = idx[:1, : args["attn_tokens"]]
+        seen = capture_attend_inputs(model, passage, layer)
+        attn = model.layers[layer].self_attn
+        w = attention_weights(attn, seen["q"], seen["k"], seen["x"], seen["q_pos"], seen["k_pos"])
+        maps.append((f"{run['name']}: {describe(run)}", w[0, head].numpy()))
+        pieces = pieces or [decode(t) for t in passage[0].tolist()]
+        layer_used = (layer, head)
+    if maps:
+        # runs may differ in length of their passage when their vocab or seq_len differs
+        T = min(m.shape[0] for _, m in maps)
+        plot_attention([(t, m[:T, :T]) for t, m in maps], pieces[:T], *layer_used, out / "attention.png")
+        figures.append(("attention.png", f"attention weights of layer {layer_used[0]}, head {layer_used[1]}"))
+
+    summary = {**table, "figures": [f for f, _ in figures], "gate_by_category": by_category,
+               "notes": notes}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    md = ["# Runs", "", table_markdown(table), "",
+          f"Target validation loss {_fmt(table['target_loss'], '.4f')}: {table['target_rule']}. "
+          "tok/s: median over steps after the first; peak memory: the largest logged "
+          "(`mem_gb`; CPU runs log peak RSS).", ""]
+    for name, by_cat in by_category.items():
+        md += [f"## {name}: gate by token category (mean over heads)", "",
+               "| gate | layer | " + " | ".join(CATEGORIES) + " |",
+               "|---|---|" + "---|" * len(CATEGORIES)]
+        for gate, per_cat in by_cat.items():
+            if gate == "count":
+                continue
+            for l in range(len(per_cat[CATEGORIES[0]])):
+                md.append(f"| {gate} | {l} | " + " | ".join(_fmt(per_cat[c][l], ".3f") for c in CATEGORIES) + " |")
+        md += ["", "tokens per category: " + ", ".join(f"{c} {n}" for c, n in by_cat["count"].items()), ""]
+    md += ["## Figures", ""] + [f"![{caption}]({f})\n\n{caption}\n" for f, caption in figures]
+    if notes:
+        md += ["## Notes", ""] + [f"- {n}" for n in notes]
+    (out / "summary.md").write_text("\n".join(md) + "\n")
+    return summary
+
+
+def main(argv=None):
+    names, args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if names:
+            runs, errors = [], []
+            for name in names:
+                try:
+                    runs.append(load_run(name))
+                except RunError as e:
+                    errors.append(str(e))
+            if errors:
+                raise RunError("\n  ".join(errors))
+        else:
+            runs = recent_runs(args["root"], args["max_runs"])
+    except RunError as e:
+        sys.exit(f"analyze.py: cannot analyse:\n  {e}")
+    print(f"analysing {len(runs)} run(s): {', '.join(str(r['path']) for r in runs)}")
+    summary = analyze(runs, args)
+    out = Path(args["out_dir"])
+    print(table_markdown(summary))
+    print(f"wrote {len(summary['figures'])} figures, summary.md and summary.json to {out}/")
+    for note in summary["notes"]:
+        print(f"note: {note}")
+
+
+if __name__ == "__main__":
+    main()
