@@ -1,0 +1,723 @@
+"""Fast, memory-lean paths for the attention variants: the same function as attention.py,
+without its (T, S) score matrices, nor asga's (T, S, r) pair tensor.
+
+`attend(module, q, k, v, x, q_pos, k_pos)` replaces `module.attend(...)` when
+`cfg.kernel == "fused"`. Plain PyTorch operations only, so the same code runs on CPU and GPU.
+Not used: torch.compile (on this CPU it gained 1.0-1.2x for 15-40 s of compiling) and
+FlexAttention (its backward raises NotImplementedError on CPU). On CUDA a FlexAttention
+block mask would be the natural next step for the windowed variants: not built, not measured.
+
+How each part avoids the dense score matrix (q, k, v as in attention.py; G = B * H heads):
+- Full causal attention (`full`; `dsa` before its threshold or without a window; `asga` with
+  its gate off; `caa` with top-k 'all'): F.scaled_dot_product_attention, `is_causal` when
+  queries and keys are the same positions, an explicit (T, S) mask with a KV cache.
+- Windowed attention (`local`, `dsa`, `caa`'s local branch, `asga` fixed): `BandAttention`.
+  Queries are cut into blocks of Bq; block b sees a band of L = Bq + Wp keys (Wp = the window
+  rounded up to a multiple of Bq), a strided view of the keys (no copy). Blocks are processed
+  a cache-sized chunk at a time, FlashAttention-style: the forward keeps only its output,
+  the backward recomputes each chunk's scores (Dao et al. 2022). Time grows as T * (Bq + W),
+  memory as T * D. `caa`'s soft window boundary enters as an additive bias on the band,
+  whose gradient the backward returns.
+- `asga` fixed: s is 1 inside the window and 0 outside, so every causal key beyond the window
+  has logit exactly 0: together they act as one extra key with logit log(count) and value
+  their mean (a prefix sum of v); the rest is windowed attention. O(T * W), not O(T * S).
+- `asga` learned: `PairGatedAttention`. The gate is built one (query block x key chunk) tile
+  at a time, only for keys j <= i (the upper triangle is skipped), in reused buffers; the
+  forward keeps output and row log-sum-exp, the backward recomputes each tile once
+  (FlashAttention-2's loop). Memory O(T * (D + r)) kept, O(Bq * S) transient; time O(T^2 r).
+- `caa` top-k: `TopkAttention`. Per query block, dense scores pick each query's k_i keys;
+  only the chosen indices and probabilities, (T, max k_i) per head, are kept for backward.
+- `dsa`'s head gate and `caa`'s mixture multiply the kernels' outputs: (B, H, T, D) tensors,
+  no (T, S) one.
+
+Falls back to `module.attend` (the reference) only where positions are not two contiguous
+runs with every query among the keys (never the case in Model) and for a module whose type
+has no entry in `FUSED`. Decoding (T = 1) goes through the same fused code (with a trimmed
+window it is full causal attention over the cached keys). Verified in float32 on CPU only;
+under bf16 autocast on a GPU the kernels' softmax would run in bf16 where the reference's
+runs in float32 (not measured).
+
+`python kernels.py [--quick] [--out PATH]` benchmarks reference, fused and causal SDPA side by
+side (see `benchmark`).
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attention import (ASGAttention, CausalSelfAttention, ContextAdaptiveAttention,
+                       DynamicSparseAttention, LocalAttention, expand_kv)
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------- full causal
+
+def causal_attention(q, k, v, off, scale):
+    """(B, H, T, D): softmax over keys s <= off + t of q_t . k_s * scale, times v.
+    Query t sits at key index off + t (off = keys before the first query)."""
+    T, S = q.shape[-2], k.shape[-2]
+    if off == 0 and S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if off + T == S and T == 1:  # decoding: the one query sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    # SDPA's is_causal aligns its mask top-left; with a KV cache the queries are the last
+    # keys, so pass the (T, S) mask (T is small when there is a cache).
+    mask = torch.arange(S, device=q.device) <= off + torch.arange(T, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# ---------------------------------------------------------------------------- windowed
+
+class Band:
+    """Geometry of windowed attention. Query t (block b = t // Bq, row a = t % Bq) sees key s
+    when 0 <= off + t - s <= window. Block b's band holds keys s = off + b*Bq - Wp + c,
+    c in [0, L), whose distance to the query, a + Wp - c, is the same for every block."""
+
+    BLOCK = 64  # largest query block; ~window/4 (a band wastes Bq/(Bq+W) of its work on masked keys)
+    CHUNK = 1 << 19  # score elements per chunk (2 MB): a chunk's scores stay in cache
+
+    def __init__(self, G, T, S, off, window, device):
+        self.G, self.T, self.S, self.off, self.window = G, T, S, off, window
+        bq = 16
+        while bq * 2 <= min(self.BLOCK, window / 4):
+            bq *= 2
+        self.Bq = min(bq, T)
+        self.nb = -(-T // self.Bq)
+        self.Tp = self.nb * self.Bq  # queries padded to whole blocks
+        self.n = -(-window // self.Bq)  # key blocks before the diagonal one
+        self.Wp = self.n * self.Bq
+        self.L = self.Bq + self.Wp
+        self.R = (self.nb + self.n) * self.Bq  # keys one head's bands cover: [off - Wp, off + Tp)
+        self.flat = off == 0
+        self.chunk = max(1, min(self.nb, self.CHUNK // (self.Bq * self.L)))  # blocks per chunk
+        self.device = device
+        self.dist = (torch.arange(self.Bq, device=device)[:, None] + self.Wp
+                     - torch.arange(self.L, device=device))  # (Bq, L)
+        in_window = (self.dist >= 0) & (self.dist <= window)
+        self.band_mask = torch.zeros(self.Bq, self.L, device=device).masked_fill_(~in_window, NEG_INF)
+        # Columns with a masked entry: c < Bq + Wp - window (before the window of the block's
+        # last query) and c > Wp (after the block's first query); the rest needs no mask.
+        self.masked_columns = [slice(0, min(self.L, self.Bq + self.Wp - window)), slice(self.Wp + 1, self.L)]
+        self.edge = self.edge_mask()
+
+    def edge_mask(self):
+        """(blocks, Bq, L) -inf for the first blocks' keys before s = 0 (rows t < T only:
+        padded rows keep their in-window keys, whatever they hold, so no row is all -inf).
+        No real query sees a key s >= S, since off + T <= S."""
+        blocks = min(self.nb, max(0, -(-(self.Wp - self.off) // self.Bq)))
+        b = torch.arange(blocks, device=self.device)[:, None, None]
+        s = self.off + b * self.Bq - self.Wp + torch.arange(self.L, device=self.device)  # (blocks, 1, L)
+        t = b * self.Bq + torch.arange(self.Bq, device=self.device)[:, None]  # (blocks, Bq, 1)
+        return torch.zeros(blocks, self.Bq, self.L, device=self.device).masked_fill_((s < 0) & (t < self.T), NEG_INF)
+
+    def mask_bias(self):
+        """(1, nb, Bq, L): 0 where the query may see the key, -inf elsewhere."""
+        bias = self.band_mask.repeat(self.nb, 1, 1)
+        bias[:len(self.edge)] += self.edge
+        return bias[None]
+
+    def pad_queries(self, x):
+        """(G, T, X) -> (G * nb, Bq, X)."""
+        if self.Tp != self.T:
+            x = F.pad(x, (0, 0, 0, self.Tp - self.T))
+        return x.reshape(self.G * self.nb, self.Bq, x.shape[-1])
+
+    def unpad(self, x):
+        """(G * nb, Bq, X) -> (G, T, X)."""
+        return x.view(self.G, self.Tp, -1)[:, :self.T]
+
+    def key_buffer(self, x):
+        """(G, S, D) keys -> (rows, D), laid out so that the band of every block of a head is
+        `Bq` rows after the previous one (`bands` is then a strided view, no copy). Without
+        a cache (off = 0) the heads lie end to end after Wp rows, band (g, b) starting at row
+        (g*nb + b)*Bq: a head's first bands overlap the previous head's last keys, at s < 0,
+        which `edge` masks. With a cache the keys before off are real, so each head gets its
+        own R rows, keys s in [off - Wp, off + Tp)."""
+        D = x.shape[-1]
+        if self.flat:
+            buf = x.new_empty(self.Wp + self.G * self.Tp, D)
+            buf[:self.Wp].zero_()
+            heads = buf[self.Wp:].view(self.G, self.Tp, D)
+            m = min(self.S, self.Tp)
+            heads[:, :m] = x[:, :m]
+            heads[:, m:].zero_()
+            return buf
+        buf = x.new_zeros(self.G, self.R, D)
+        lo, hi = max(0, self.off - self.Wp), min(self.S, self.off + self.Tp)
+        buf[:, lo - self.off + self.Wp: hi - self.off + self.Wp] = x[:, lo:hi]
+        return buf.view(self.G * self.R, D)
+
+    def key_grad(self, buf):
+        """Adjoint of key_buffer: (rows, D) -> (G, S, D)."""
+        D = buf.shape[-1]
+        if self.flat:
+            heads = buf[self.Wp:].view(self.G, self.Tp, D)
+            return heads[:, :self.S] if self.S <= self.Tp else F.pad(heads, (0, 0, 0, self.S - self.Tp))
+        out = buf.new_zeros(self.G, self.S, D)
+        lo, hi = max(0, self.off - self.Wp), min(self.S, self.off + self.Tp)
+        out[:, lo:hi] = buf.view(self.G, self.R, D)[:, lo - self.off + self.Wp: hi - self.off + self.Wp]
+        return out
+
+    def row(self, g, b):
+        """Row of the key buffer where the band of head g's block b starts."""
+        return (g * self.nb + b) * self.Bq if self.flat else g * self.R + b * self.Bq
+
+    def bands(self, buf, g, b0, b1):
+        """(b1 - b0, L, D) view: the bands of head g's blocks b0 .. b1-1."""
+        return buf[self.row(g, b0):].as_strided((b1 - b0, self.L, buf.shape[-1]), (self.Bq * buf.shape[-1], buf.shape[-1], 1))
+
+    def chunks(self):
+        """(g, b0, b1): the blocks, a chunk of at most `chunk` blocks of one head at a time."""
+        for g in range(self.G):
+            for b0 in range(0, self.nb, self.chunk):
+                yield g, b0, min(self.nb, b0 + self.chunk)
+
+    def scores(self, out, qb, kbuf, g, b0, b1, bias):
+        """Logits of head g's blocks b0 .. b1-1 into out (b1 - b0, Bq, L), masked."""
+        torch.bmm(qb, self.bands(kbuf, g, b0, b1).transpose(1, 2), out=out)
+        if bias is None:
+            for cols in self.masked_columns:  # the window's two corners, not the whole band
+                out[..., cols] += self.band_mask[:, cols]
+            if b0 < len(self.edge):
+                out[:len(self.edge) - b0] += self.edge[b0:b1]
+        else:
+            out += bias[g // (self.G // bias.shape[0]), b0:b1]
+        return out
+
+
+class BandAttention(torch.autograd.Function):
+    """softmax(q k^T + bias) v over each query block's band of keys (see `Band`), chunk by
+    chunk, FlashAttention-style: the forward keeps each row's log-sum-exp, the backward
+    recomputes the chunk's probabilities (Dao et al. 2022), so no (T, L) tensor outlives a
+    chunk and nothing large is allocated (fresh pages cost as much as the matmuls here).
+
+    q (G, T, D) already scaled; k, v (G, S, D); bias None (the window's mask only) or
+    (1 or B, nb, Bq, L), masking included, shared by the heads of a batch row. Optionally
+    one extra key per query, logit extra_logit (T,) (no gradient) and value extra_value
+    (G, T, D) (asga fixed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, band, extra_logit=None, extra_value=None):
+        nb, Bq, L = band.nb, band.Bq, band.L
+        qb = band.pad_queries(q)  # (G*nb, Bq, D)
+        kbuf, vbuf = band.key_buffer(k), band.key_buffer(v)
+        o = torch.empty_like(qb)
+        e = u = lse = None
+        if extra_logit is not None:
+            e = F.pad(extra_logit, (0, band.Tp - band.T), value=NEG_INF).view(nb, Bq, 1)
+            u, lse = band.pad_queries(extra_value), qb.new_empty(band.G * nb, Bq, 1)
+        work, work_p = qb.new_empty(band.chunk, Bq, L), qb.new_empty(band.chunk, Bq, L)
+        for g, b0, b1 in band.chunks():
+            i = slice(g * nb + b0, g * nb + b1)
+            s = band.scores(work[:b1 - b0], qb[i], kbuf, g, b0, b1, bias)
+            if e is None:  # torch's softmax: its exp is ~2x faster than exp_
+                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:b1 - b0])
+            else:  # one more key, logit e, value u: the softmax through its log-sum-exp
+                lse[i] = torch.logaddexp(torch.logsumexp(s, -1, keepdim=True), e[b0:b1])
+                p = s.sub_(lse[i]).exp_()
+            torch.bmm(p, band.bands(vbuf, g, b0, b1), out=o[i])
+            if e is not None:
+                o[i] += torch.exp(e[b0:b1] - lse[i]) * u[i]
+        ctx.band = band
+        ctx.save_for_backward(qb, kbuf, vbuf, o, bias, e, u, lse)
+        return band.unpad(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        band = ctx.band
+        nb, Bq, L, D = band.nb, band.Bq, band.L, do.shape[-1]
+        qb, kbuf, vbuf, o, bias, e, u, lse = ctx.saved_tensors
+        do = band.pad_queries(do)  # (G*nb, Bq, D)
+        delta = (do * o).sum(-1, keepdim=True)  # sum over keys of p * dp (FlashAttention's D)
+        dq, dk, dv = torch.empty_like(qb), torch.zeros_like(kbuf), torch.zeros_like(vbuf)
+        d_bias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
+        d_extra = torch.zeros_like(u) if u is not None and ctx.needs_input_grad[6] else None
+        work, work_p, work_dp = (qb.new_empty(band.chunk, Bq, L) for _ in range(3))
+        for g, b0, b1 in band.chunks():
+            i = slice(g * nb + b0, g * nb + b1)
+            s = band.scores(work[:b1 - b0], qb[i], kbuf, g, b0, b1, bias)  # the forward's, again
+            if e is None:
+                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:b1 - b0])
+            else:
+                p = s.sub_(lse[i]).exp_()
+                if d_extra is not None:
+                    d_extra[i] = torch.exp(e[b0:b1] - lse[i]) * do[i]
+            ds = torch.bmm(do[i], band.bands(vbuf, g, b0, b1).transpose(1, 2), out=work_dp[:b1 - b0])
+            ds.sub_(delta[i]).mul_(p)  # d logits
+            torch.bmm(ds, band.bands(kbuf, g, b0, b1), out=dq[i])
+            for m in range(band.n + 1):  # sub-block m of every band: Bq rows of the key buffer
+                rows = slice(band.row(g, b0) + m * Bq, band.row(g, b1) + m * Bq)
+                cols = slice(m * Bq, (m + 1) * Bq)
+                dv[rows].view(b1 - b0, Bq, D).baddbmm_(p[..., cols].transpose(1, 2), do[i])
+                dk[rows].view(b1 - b0, Bq, D).baddbmm_(ds[..., cols].transpose(1, 2), qb[i])
+            if d_bias is not None:
+                d_bias[g // (band.G // bias.shape[0]), b0:b1] += ds
+        d_extra = None if d_extra is None else band.unpad(d_extra)
+        return band.unpad(dq), band.key_grad(dk), band.key_grad(dv), d_bias, None, None, d_extra
+
+
+def windowed_attention(q, k, v, off, window, scale, bias_fn=None, beyond_window=False):
+    """(B, H, T, D): softmax over keys 0 <= off + t - s <= window of q_t . k_s * scale
+    (+ bias_fn(band), a (B, nb, Bq, L) addition to the logits), times v.
+    beyond_window: the keys farther back than the window count too, each with logit 0
+    (asga fixed); they enter as one extra key, logit log(count), value their mean."""
+    B, H, T, D = q.shape
+    S = k.shape[-2]
+    if window >= off + T - 1 and bias_fn is None:  # the window holds every causal key
+        return causal_attention(q, k, v, off, scale)
+    band = Band(B * H, T, S, off, window, q.device)
+    bias = None if bias_fn is None else band.mask_bias() + bias_fn(band)
+    extra = ()
+    if beyond_window:
+        # Keys s < off + t - window: prefix sums of v (float64, so long sums stay exact).
+        count = (off + torch.arange(T, device=q.device) - window).clamp(0, S)  # (T,)
+        prefix = v.flatten(0, 1).double().cumsum(1)  # (G, S, D)
+        total = prefix[:, (count - 1).clamp(min=0)]  # (G, T, D)
+        mean = (total / count.clamp(min=1)[:, None]).to(v.dtype)
+        extra = (count.to(q.dtype).log(), mean)  # log(0) = -inf: no such key
+    out = BandAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias, band, *extra)
+    return out.view(B, H, T, D)
+
+
+# ---------------------------------------------------------------------------- asga learned
+
+def _mask_future_(logits, t0, off, c0=0):
+    """logits (G, bq, c) of queries t0 + a and keys c0 + j: -inf where the key comes after
+    the query, c0 + j > off + t0 + a (in place)."""
+    bq, c = logits.shape[1:]
+    if c0 + c - 1 > off + t0:  # the tile reaches past the diagonal
+        a = torch.arange(bq, device=logits.device)[:, None]
+        j = torch.arange(c, device=logits.device)
+        logits.masked_fill_(c0 + j > off + t0 + a, NEG_INF)
+    return logits
+
+
+class PairGatedAttention(torch.autograd.Function):
+    """y_i = softmax_{s <= off+i}(q_i . k_s * sigmoid(w2 . GELU(qt_i + kt_s) + b2)) v.
+
+    q (G, T, D) already scaled (1/sqrt(d) and softplus(gamma)); k, v (G, S, D); qt (G, T, r),
+    kt (G, S, r) the two halves of W1 [LN(q); LN(k)] + b1; w2 (G, r), b2 (G,).
+    The hidden tensor exists one (G, r, Bq, chunk) tile at a time, in buffers reused across
+    tiles (a fresh allocation per tile cost more than the GELU), r-major so that the
+    broadcast add and the GELU run over long contiguous rows. Forward: per query block,
+    the gate logits of every visible key, then one softmax; saves output and log-sum-exp.
+    Backward, FlashAttention-2 style (Dao 2023): per (query block, key chunk) tile, the
+    gate and the probabilities are recomputed from the log-sum-exp and every gradient is
+    accumulated from that tile alone: each hidden element is built twice in all, once in
+    the forward, once in the backward."""
+
+    BLOCK = 64  # queries per block
+    TILE = 1 << 19  # elements of one hidden tile: 2 MB, so a tile's passes stay in cache
+
+    @staticmethod
+    def _chunk(G, r):
+        return max(16, PairGatedAttention.TILE // (G * r * PairGatedAttention.BLOCK))
+
+    @staticmethod
+    def _gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers):
+        """hidden = qt + kt, act = GELU(hidden) (G, r, bq, c) in the buffers, and the gate
+        logit w2 . act (G, bq, c) (003 eq. 1 before b2 and the sigmoid)."""
+        G, r = qt_r.shape[:2]
+        shape = (G, r, t1 - t0, c1 - c0)
+        n = shape[0] * shape[1] * shape[2] * shape[3]
+        hidden = torch.add(qt_r[:, :, t0:t1, None], kt_r[:, :, None, c0:c1], out=buffers[0][:n].view(shape))
+        act = torch._C._nn.gelu(hidden, out=buffers[1][:n].view(shape))
+        return hidden, act, torch.bmm(w2_row, act.view(G, r, -1)).view(G, t1 - t0, c1 - c0)
+
+    @staticmethod
+    def forward(ctx, q, k, v, qt, kt, w2, b2, off):
+        G, T, _ = q.shape
+        S, r = k.shape[1], qt.shape[-1]
+        qt_r, kt_r = qt.transpose(1, 2).contiguous(), kt.transpose(1, 2).contiguous()  # (G, r, T|S)
+        w2_row, chunk = w2[:, None, :], PairGatedAttention._chunk(G, r)
+        buffers = [q.new_empty(G * r * PairGatedAttention.BLOCK * chunk) for _ in range(2)]
+        o, lse = torch.empty_like(q), q.new_empty(G, T, 1)
+        for t0 in range(0, T, PairGatedAttention.BLOCK):
+            t1 = min(T, t0 + PairGatedAttention.BLOCK)
+            K = min(S, off + t1)  # keys any query of this block may see
+            z = q.new_empty(G, t1 - t0, K)
+            for c0 in range(0, K, chunk):
+                c1 = min(K, c0 + chunk)
+                z[:, :, c0:c1] = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)[2]
+            s = torch.sigmoid(z.add_(b2[:, None, None]))
+            logits = _mask_future_(torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2)).mul_(s), t0, off)
+            lse[:, t0:t1] = torch.logsumexp(logits, -1, keepdim=True)
+            o[:, t0:t1] = torch.bmm(logits.sub_(lse[:, t0:t1]).exp_(), v[:, :K])
+        ctx.off = off
+        ctx.save_for_backward(q, k, v, qt_r, kt_r, w2, b2, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, qt_r, kt_r, w2, b2, o, lse = ctx.saved_tensors
+        off = ctx.off
+        G, T, _ = q.shape
+        S, r = k.shape[1], qt_r.shape[1]
+        w2_row, chunk = w2[:, None, :], PairGatedAttention._chunk(G, r)
+        buffers = [q.new_empty(G * r * PairGatedAttention.BLOCK * chunk) for _ in range(3)]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dqt_r, dkt_r = torch.zeros_like(qt_r), torch.zeros_like(kt_r)  # without the w2 factor
+        dw2, db2 = q.new_zeros(G, r, 1), torch.zeros_like(b2)
+        delta = (do * o).sum(-1, keepdim=True)  # (G, T, 1): sum over keys of p * dp
+        for t0 in range(0, T, PairGatedAttention.BLOCK):
+            t1 = min(T, t0 + PairGatedAttention.BLOCK)
+            qb, dob = q[:, t0:t1], do[:, t0:t1]
+            for c0 in range(0, min(S, off + t1), chunk):
+                c1 = min(S, off + t1, c0 + chunk)
+                hidden, act, z = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)
+                s = torch.sigmoid(z.add_(b2[:, None, None]))  # (G, bq, c)
+                qk = torch.bmm(qb, k[:, c0:c1].transpose(1, 2))
+                p = _mask_future_(qk * s, t0, off, c0).sub_(lse[:, t0:t1]).exp_()
+                dv[:, c0:c1] += torch.bmm(p.transpose(1, 2), dob)
+                dlogits = torch.bmm(dob, v[:, c0:c1].transpose(1, 2)).sub_(delta[:, t0:t1]).mul_(p)
+                dqk = dlogits * s
+                dq[:, t0:t1] += torch.bmm(dqk, k[:, c0:c1])
+                dk[:, c0:c1] += torch.bmm(dqk.transpose(1, 2), qb)
+                dz = dlogits.mul_(qk).mul_(s).mul_(1 - s)  # d gate logit
+                db2 += dz.sum((1, 2))
+                dw2 += torch.bmm(act.view(G, r, -1), dz.view(G, -1, 1))
+                # d hidden / w2 = dz * GELU'(hidden); w2 is applied once, to the sums
+                dh = torch.ops.aten.gelu_backward.grad_input(dz[:, None].expand_as(hidden), hidden,
+                                                             grad_input=buffers[2][:hidden.numel()].view(hidden.shape))
+                dqt_r[:, :, t0:t1] += dh.sum(-1)
+                dkt_r[:, :, c0:c1] += dh.sum(2)
+        dqt = (dqt_r * w2[:, :, None]).transpose(1, 2)
+        dkt = (dkt_r * w2[:, :, None]).transpose(1, 2)
+        return dq, dk, dv, dqt, dkt, dw2.view(G, r), db2, None
+
+
+# ---------------------------------------------------------------------------- caa top-k
+
+class TopkAttention(torch.autograd.Function):
+    """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v.
+
+    q (G, T, D) already scaled; k, v (G, S, D); k_per_query (T,) long. Per query block the
+    dense scores pick the keys (topk) and give their logits; the probabilities are scattered
+    into that block's (G, Bq, K) buffer for dense matmuls, which beat gathering the chosen
+    keys on CPU. Saves only each query's chosen key indices and probabilities, (G, T, max k)."""
+
+    BLOCK = 64
+
+    @staticmethod
+    def forward(ctx, q, k, v, k_per_query, off):
+        G, T, D = q.shape
+        S = k.shape[1]
+        o = torch.empty_like(q)
+        chosen = []
+        for t0 in range(0, T, TopkAttention.BLOCK):
+            t1 = min(T, t0 + TopkAttention.BLOCK)
+            K = min(S, off + t1)
+            scores = _mask_future_(torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2)), t0, off)
+            kmax = min(K, int(k_per_query[t0:t1].max()))
+            logits, idx = scores.topk(kmax, -1)  # (G, bq, kmax), best first
+            rank_ok = torch.arange(kmax, device=q.device) < k_per_query[t0:t1, None]  # (bq, kmax)
+            # A key after the query is never chosen, even where a row has fewer than k_t keys.
+            keep = rank_ok & (idx <= off + torch.arange(t0, t1, device=q.device)[:, None])
+            p = torch.softmax(logits.masked_fill_(~keep, NEG_INF), -1)
+            o[:, t0:t1] = torch.bmm(scores.zero_().scatter_(-1, idx, p), v[:, :K])
+            chosen.append((idx, p))
+        ctx.off, ctx.chosen = off, chosen
+        ctx.save_for_backward(q, k, v)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b, (idx, p) in enumerate(ctx.chosen):
+            t0 = b * TopkAttention.BLOCK
+            t1 = t0 + idx.shape[1]
+            K = min(k.shape[1], ctx.off + t1)
+            qb, dob = q[:, t0:t1], do[:, t0:t1]
+            dense = torch.zeros(idx.shape[:2] + (K,), dtype=q.dtype, device=q.device).scatter_(-1, idx, p)
+            dv[:, :K] += torch.bmm(dense.transpose(1, 2), dob)
+            dp = torch.bmm(dob, v[:, :K].transpose(1, 2)).gather(-1, idx)
+            dlogits = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)
+            dense.zero_().scatter_(-1, idx, dlogits)
+            dq[:, t0:t1] = torch.bmm(dense, k[:, :K])
+            dk[:, :K] += torch.bmm(dense.transpose(1, 2), qb)
+        return dq, dk, dv, None, None
+
+
+# ---------------------------------------------------------------------------- the variants
+
+def _full(m, q, k, v, x, q_pos, off):
+    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
+    return causal_attention(q, k, v, off, m.scale)
+
+
+def _local(m, q, k, v, x, q_pos, off):
+    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
+    return windowed_attention(q, k, v, off, m.cfg.window, m.scale)
+
+
+def _dsa(m, q, k, v, x, q_pos, off):
+    cfg = m.cfg
+    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
+    T = q.shape[2]
+    if cfg.dsa_window == "none":
+        y = causal_attention(q, k, v, off, m.scale)
+    elif cfg.dsa_window == "fixed":
+        y = windowed_attention(q, k, v, off, cfg.window, m.scale)
+    else:  # adaptive: queries at positions < dsa_threshold attend to every earlier key
+        split = min(T, max(0, cfg.dsa_threshold - int(q_pos[0])))
+        parts = []
+        if split > 0:
+            parts.append(causal_attention(q[:, :, :split], k[:, :, :off + split], v[:, :, :off + split],
+                                          off, m.scale))
+        if split < T:
+            parts.append(windowed_attention(q[:, :, split:], k, v, off + split, cfg.window, m.scale))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+    if not cfg.dsa_gate:
+        return y
+    g = torch.sigmoid(m.head_gate(x))  # (B, T, H)
+    return y * g.transpose(1, 2).unsqueeze(-1)
+
+
+def _asga(m, q, k, v, x, q_pos, off):
+    cfg = m.cfg
+    B, H, T, D = q.shape
+    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
+    if cfg.asga_scale:  # alpha = softplus(gamma) q.k / sqrt(d): fold the scale into q
+        qs = q * (F.softplus(m.gamma) * m.scale)[None, :, None, None]
+    else:
+        qs = q * m.scale
+    if cfg.asga_gate == "off":
+        return causal_attention(qs, k, v, off, 1.0)
+    if cfg.asga_gate == "fixed":
+        return windowed_attention(qs, k, v, off, cfg.window, 1.0, beyond_window=True)
+    q_term, k_term = m.pair_terms(q, k)  # (B, H, T, r), (B, H, S, r)
+    y = PairGatedAttention.apply(qs.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                 q_term.flatten(0, 1), k_term.flatten(0, 1),
+                                 m.w2.repeat(B, 1), m.b2.repeat(B), off)
+    return y.view(B, H, T, D)
+
+
+def _caa(m, q, k, v, x, q_pos, off):
+    cfg = m.cfg
+    B, H, T, D = q.shape
+    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
+    # A forced gate (g = 1 or 0) skips the branch it multiplies by zero; that branch's own
+    # parameters then get no gradient (None) where the reference gives zeros.
+    local = glob = None
+    if cfg.caa_gate != "global":
+        width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(m.width(x))  # (B, T, 1)
+
+        def boundary(band):  # log sigmoid((w_i - (i - j)) / tau) on the band, (B, nb, Bq, L)
+            w = F.pad(width[..., 0], (0, band.Tp - band.T)).view(B, band.nb, band.Bq, 1)
+            return F.logsigmoid((w - band.dist.to(w.dtype)) / cfg.caa_tau)
+
+        local = windowed_attention(q, k, v, off, cfg.caa_window_max, m.scale, bias_fn=boundary)
+    if cfg.caa_gate != "local":
+        if cfg.caa_topk == "all":
+            glob = causal_attention(q, k, v, off, m.scale)
+        else:
+            k_per_query = torch.ceil(torch.sqrt(q_pos.float() + 1)).long()  # as in topk_mask
+            glob = TopkAttention.apply((q * m.scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                       k_per_query, off).view(B, H, T, D)
+    if local is None or glob is None:
+        return glob if local is None else local
+    g = torch.sigmoid(m.mix_gate(x)).transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+    return g * local + (1 - g) * glob
+
+
+FUSED = {
+    CausalSelfAttention: _full,
+    LocalAttention: _local,
+    DynamicSparseAttention: _dsa,
+    ASGAttention: _asga,
+    ContextAdaptiveAttention: _caa,
+}
+
+
+def key_offset(q_pos, k_pos):
+    """off such that query t sits at key index off + t, or None if the positions are not two
+    contiguous runs with every query among the keys."""
+    T, S = len(q_pos), len(k_pos)
+    p0, k0 = int(q_pos[0]), int(k_pos[0])
+    off = p0 - k0
+    if off < 0 or off + T > S:
+        return None
+    if not (torch.equal(q_pos, torch.arange(p0, p0 + T, device=q_pos.device))
+            and torch.equal(k_pos, torch.arange(k0, k0 + S, device=k_pos.device))):
+        return None
+    return off
+
+
+def attend(module, q, k, v, x, q_pos, k_pos):
+    """The fused equivalent of `module.attend(q, k, v, x, q_pos, k_pos)`: (B, H, T, D)."""
+    fn = FUSED.get(type(module))  # exact type: a subclass may change `attend`
+    off = key_offset(q_pos, k_pos) if fn is not None else None
+    if off is None:
+        return module.attend(q, k, v, x, q_pos, k_pos)
+    return fn(module, q, k, v, x, q_pos, off)
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+BENCH = dict(B=1, H=8, D=64, d_model=512, window=256)
+VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa")
+# Reference tensors alive at its peak (forward + backward), in units of one fp32 (B, H, T, T)
+# score matrix; asga adds (B, H, T, T, r) pair tensors. Measured at T = 1024 and 2048 with
+# this benchmark, rounded up; used only to skip a reference that cannot fit (reported as OOM).
+REF_SCORES = dict(full=6, local=7, dsa=8, asga=8, caa=16)
+REF_PAIRS = dict(asga=5)
+
+
+def predicted_ref_bytes(variant, T, r=16):
+    scores = BENCH["B"] * BENCH["H"] * T * T * 4
+    return scores * (REF_SCORES[variant] + REF_PAIRS.get(variant, 0) * r)
+
+
+def _rss_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
+    """Runs in a freshly forked process. Time: forward + backward, the median of the runs
+    after the first. Memory: the peak resident set (VmHWM, reset through /proc/self/clear_refs
+    once the inputs exist) minus the resident set at that moment: everything the forward and
+    backward held at once (saved tensors, transients, gradients), as the OS saw it. A run at
+    T = 256 first pages in the code and thread pools, which would otherwise count."""
+    try:
+        from attention import VARIANTS
+        from model import ModelConfig
+
+        torch.set_num_threads(threads)
+        if limit_bytes:  # allocations past the budget raise (reported as OOM), not the OOM killer
+            with open("/proc/self/statm") as f:
+                vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            resource.setrlimit(resource.RLIMIT_AS, (vm + limit_bytes, vm + limit_bytes))
+        torch.manual_seed(0)
+        cfg = ModelConfig(n_head=BENCH["H"], n_kv_head=BENCH["H"], head_dim=BENCH["D"],
+                          d_model=BENCH["d_model"], window=BENCH["window"], attn=variant)
+        module = VARIANTS[variant](cfg)
+        for p in module.parameters():
+            p.data.normal_(0, 0.1)
+        B, H, D = BENCH["B"], BENCH["H"], BENCH["D"]
+
+        def case(n):
+            q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))
+            x = torch.randn(B, n, BENCH["d_model"], requires_grad=True)
+            pos, cotangent = torch.arange(n), torch.randn(B, H, n, D)
+            fn = {"ref": lambda: module.attend(q, k, v, x, pos, pos),
+                  "fused": lambda: attend(module, q, k, v, x, pos, pos),
+                  "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[path]
+
+            def step():
+                t = time.perf_counter()
+                fn().backward(cotangent)
+                for tensor in (q, k, v, x, *module.parameters()):
+                    tensor.grad = None
+                return time.perf_counter() - t
+            return step
+
+        case(min(T, 256))()
+        step = case(T)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident set to the current one
+        base = _rss_kb("VmRSS:")
+        times = []
+        while len(times) < 6:  # the first run is the warm-up
+            times.append(step())
+            spent = sum(times)
+            if len(times) >= 3 and spent > budget_s or len(times) >= 2 and spent > 2 * budget_s:
+                break
+        runs = times[1:]
+        conn.send(dict(ms=1e3 * statistics.median(runs), runs=len(runs),
+                       peak_mb=(_rss_kb("VmHWM:") - base) / 1024, all_ms=[round(1e3 * t, 1) for t in times]))
+    except Exception as e:  # noqa: BLE001 - reported in the row; an allocation failure is OOM
+        message = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        conn.send(dict(oom=isinstance(e, MemoryError) or "allocate" in message, error=message))
+
+
+def benchmark(lengths, variants, threads, budget_s, max_bytes):
+    """[row]: one per (variant, T, path), each measured alone in a forked child process, the
+    three paths of a (variant, T) one after the other so that they share the machine's load.
+    Rows for a reference predicted past max_bytes are marked oom without running."""
+    ctx = multiprocessing.get_context("fork")  # the parent never runs torch ops: fork is safe
+    rows = []
+    for T in lengths:
+        for variant in variants:
+            for path in ("ref", "fused", "sdpa"):
+                row = dict(variant=variant, T=T, path=path, threads=threads, **BENCH)
+                if path == "ref" and predicted_ref_bytes(variant, T) > max_bytes:
+                    row.update(ms=None, peak_mb=None, oom=True,
+                               error=f"predicted {predicted_ref_bytes(variant, T) / 2**30:.0f} GiB "
+                                     f"> {max_bytes / 2**30:.0f} GiB budget")
+                else:
+                    recv, send = ctx.Pipe(duplex=False)
+                    child = ctx.Process(target=_measure, args=(variant, T, path, threads, budget_s,
+                                                               max_bytes, send))
+                    child.start()
+                    child.join()
+                    result = recv.recv() if recv.poll() else dict(
+                        oom=child.exitcode == -9, error=f"child exited with {child.exitcode}")
+                    row.update(dict(ms=None, peak_mb=None), **result)
+                rows.append(row)
+                shown = "OOM" if row.get("oom") else f"{row['ms']:9.1f} ms {row['peak_mb']:8.1f} MB"
+                print(f"  {variant:6s} T={T:6d} {path:6s} {shown}", flush=True)
+    return rows
+
+
+def table(rows):
+    """Markdown table: per variant and T, the three paths and the fused path's ratios."""
+    get = {(r["variant"], r["T"], r["path"]): r for r in rows}
+    fmt = lambda x, f: "—" if x is None else f.format(x)  # noqa: E731
+    lines = ["| variant | T | ref ms | fused ms | SDPA ms | ref/fused time | SDPA/fused time "
+             "| ref MB | fused MB | SDPA MB | ref/fused mem | fused x time, x mem vs T/2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        for T in sorted({r["T"] for r in rows if r["variant"] == variant}):
+            ref, fused, sdpa = (get.get((variant, T, p), {}) for p in ("ref", "fused", "sdpa"))
+            half = get.get((variant, T // 2, "fused"), {})
+            ratio = lambda a, b: None if a.get("ms") is None or b.get("ms") is None else a["ms"] / b["ms"]  # noqa: E731
+            mem = lambda a, b: None if a.get("peak_mb") is None or b.get("peak_mb") is None else a["peak_mb"] / max(b["peak_mb"], 1.0)  # noqa: E731
+            growth = "—" if ratio(fused, half) is None else f"{ratio(fused, half):.2f}x, {mem(fused, half):.2f}x"
+            lines.append(" | ".join([
+                f"| {variant}", str(T), "OOM" if ref.get("oom") else fmt(ref.get("ms"), "{:.0f}"),
+                fmt(fused.get("ms"), "{:.0f}"), fmt(sdpa.get("ms"), "{:.0f}"),
+                fmt(ratio(ref, fused), "{:.1f}x"), fmt(ratio(sdpa, fused), "{:.1f}x"),
+                "OOM" if ref.get("oom") else fmt(ref.get("peak_mb"), "{:.0f}"),
+                fmt(fused.get("peak_mb"), "{:.0f}"), fmt(sdpa.get("peak_mb"), "{:.0f}"),
+                fmt(mem(ref, fused), "{:.1f}x"), growth]) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a reduced grid, under a minute")
+    parser.add_argument("--out", help="write the raw rows to this JSON file")
+    parser.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",")])
+    parser.add_argument("--variants", type=lambda s: s.split(","))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds of runs per case, roughly")
+    parser.add_argument("--max-gb", type=float, help="memory one case may use (default: 60%% of available)")
+    args = parser.parse_args()
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    max_bytes = int(args.max_gb * 2**30) if args.max_gb else int(0.6 * available)
+    lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192, 16384])
+    variants = args.variants or list(VARIANT_NAMES)
+    budget = 1.0 if args.quick else args.budget
+    print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
+          f"B={BENCH['B']} H={BENCH['H']} D={BENCH['D']} W={BENCH['window']} fp32, forward+backward, "
+          f"memory budget {max_bytes / 2**30:.1f} GiB", flush=True)
+    rows = benchmark(lengths, variants, args.threads, budget, max_bytes)
+    print(table(rows))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
