@@ -31,8 +31,8 @@ How each part avoids the dense score matrix (q, k, v as in attention.py; G = B *
   no (T, S) one.
 
 Falls back to `module.attend` (the reference) only where positions are not two contiguous
-runs with every query among the keys (never the case in Model) and for a module whose type
-has no entry in `FUSED`. Decoding (T = 1) goes through the same fused code (with a trimmed
+runs with every query among the keys (never the case in Model), for a module whose type has
+no entry in `FUSED`, and for an instance whose `attend` was replaced. Decoding (T = 1) goes through the same fused code (with a trimmed
 window it is full causal attention over the cached keys). Verified in float32 on CPU only;
 under bf16 autocast on a GPU the kernels' softmax would run in bf16 where the reference's
 runs in float32 (not measured).
@@ -553,7 +553,9 @@ def key_offset(q_pos, k_pos):
 
 def attend(module, q, k, v, x, q_pos, k_pos):
     """The fused equivalent of `module.attend(q, k, v, x, q_pos, k_pos)`: (B, H, T, D)."""
-    fn = FUSED.get(type(module))  # exact type: a subclass may change `attend`
+    # Only for the exact classes, and not where an instance's `attend` was replaced (a spy, as
+    # in analyze.py): a fused path computes its class's `attend`, nobody else's.
+    fn = None if "attend" in vars(module) else FUSED.get(type(module))
     off = key_offset(q_pos, k_pos) if fn is not None else None
     if off is None:
         return module.attend(q, k, v, x, q_pos, k_pos)
