@@ -173,6 +173,11 @@ def describe(run):
     return attn + (f" ({', '.join(flags)})" if flags else "")
 
 
+def _title(run):
+    """'run_name: variant (flags)', or just the variant when the run is named after it."""
+    return describe(run) if run["name"] == describe(run) else f"{run['name']}: {describe(run)}"
+
+
 # ----------------------------------------------------------------------------- table
 
 def _tok_s(record):
@@ -266,7 +271,7 @@ def plot_losses(runs, path):
             ax.plot(*zip(*train), color=color, alpha=0.35, lw=0.8)
         if run["evals"]:
             ax.plot([r["step"] for r in run["evals"]], [r["val"] for r in run["evals"]], "o-",
-                    color=color, ms=3, label=f"{run['name']}: {describe(run)}")
+                    color=color, ms=3, label=_title(run))
     ax.set(xlabel="step", ylabel="loss", title="train (thin) and validation (dots) loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -315,7 +320,7 @@ def plot_gate_history(run, history, path):
                     ax_final.text(h, l, f"{means[-1, l, h]:.2g}", ha="center", va="center",
                                   fontsize=6, color="w")
         fig.colorbar(im, ax=ax_final).ax.ticklabel_format(useOffset=False)
-    fig.suptitle(f"{run['name']}: {describe(run)}", fontsize=9)
+    fig.suptitle(_title(run), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -346,7 +351,7 @@ def plot_variant_dynamics(run, history, path):
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"{run['name']}: {describe(run)}", fontsize=9)
+    fig.suptitle(_title(run), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -455,7 +460,7 @@ def plot_gate_by_category(run, by_cat, path):
             ax.set_ylim(0, 1)
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"{run['name']}: {describe(run)}", fontsize=9)
+    fig.suptitle(_title(run), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -492,8 +497,8 @@ def attention_weights(attn, q, k, x, q_pos, k_pos):
     return attn.attend(q, k, eye, x, q_pos, k_pos)
 
 
-def plot_attention(maps, pieces, layer, head, path):
-    """maps: [(title, (T, T) weights)] of several runs on the same passage."""
+def plot_attention(maps, pieces, path):
+    """maps: [(title, (T, T) weights)] of several runs on the same passage of tokens `pieces`."""
     plt = _plt()
     T = len(pieces)
     fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps) + 1, 4.8), squeeze=False)
@@ -506,10 +511,61 @@ def plot_attention(maps, pieces, layer, head, path):
         ax.set_title(title, fontsize=8)
         ax.set_xlabel("key")
     axes[0][0].set_ylabel("query")
-    fig.suptitle(f"attention weights, layer {layer}, head {head}", fontsize=9)
+    fig.suptitle("attention weights (query rows, key columns)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def checkpoint_figures(runs, args, out, figures, notes):
+    """Gate by token category (per run) and attention maps (all runs, one figure), from the
+    checkpoints, on one text for all runs: --text, else the first readable validation shard.
+    Appends to figures and notes; returns {run: gate_by_category(...)}."""
+    from sample import CheckpointError, load_checkpoint
+
+    models = {}
+    for run in runs:
+        try:
+            models[run["name"]] = load_checkpoint(run["path"], "cpu", kernel="ref")[0]
+        except CheckpointError as e:
+            notes.append(f"{run['name']}: no gate-by-category or attention figure: {e}")
+    why_not = "no run has a readable checkpoint"
+    for run in (r for r in runs if r["name"] in models):
+        tokens, source = load_text_tokens(run, args["text"], args["n_tokens"])
+        if tokens is not None:
+            break
+        why_not = source
+    if not models or tokens is None:
+        notes.append(f"no gate-by-category or attention figures: {why_not}")
+        return {}
+    _default_tiktoken_cache()
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    decode = lambda t: enc.decode_single_token_bytes(t).decode("utf-8", errors="replace")
+    by_category, maps, passage = {}, [], None
+    for run in (r for r in runs if r["name"] in models):
+        model = models[run["name"]]
+        idx = _chunks(tokens, run["train"].get("seq_len") or 256, model.cfg.vocab_size)  # (N, T)
+        if idx.numel() == 0:
+            notes.append(f"{run['name']}: the text ({source}) has no tokens the model knows")
+            continue
+        by_cat = gate_by_category(model, idx, decode)
+        if len(by_cat) > 1:  # more than the token counts: the variant has per-token gates
+            by_category[run["name"]] = by_cat
+            plot_gate_by_category(run, by_cat, out / f"categories_{run['name']}.png")
+            figures.append((f"categories_{run['name']}.png", f"{run['name']}: gate by token category ({source})"))
+        layer, head = args["layer"] % model.cfg.n_layer, min(args["head"], model.cfg.n_head - 1)
+        passage = idx[0, : args["attn_tokens"]] if passage is None else passage
+        seen = capture_attend_inputs(model, passage[None], layer)
+        w = attention_weights(model.layers[layer].self_attn, seen["q"], seen["k"], seen["x"],
+                              seen["q_pos"], seen["k_pos"])  # (1, H, T, T)
+        maps.append((f"{_title(run)}\nlayer {layer}, head {head}", w[0, head].numpy()))
+    if maps:
+        pieces = [decode(t) for t in passage.tolist()]
+        plot_attention(maps, pieces, out / "attention.png")
+        figures.append(("attention.png", f"attention weights on the first {len(pieces)} tokens of {source}"))
+    return by_category
 
 
 # ----------------------------------------------------------------------------- main
@@ -534,11 +590,9 @@ def parse_args(argv):
 
 def analyze(runs, args):
     """Write the figures, summary.md and summary.json for these runs into args['out_dir']."""
-    from sample import CheckpointError, load_checkpoint
-
     out = Path(args["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    figures, notes, by_category = [], [], {}
+    figures, notes = [], []
     taken = {}
     for run in runs:  # runs from different folders may share a name: figure files must not
         taken[run["name"]] = taken.get(run["name"], 0) + 1
@@ -556,48 +610,7 @@ def analyze(runs, args):
             if plot_variant_dynamics(run, history, out / f"dynamics_{run['name']}.png"):
                 figures.append((f"dynamics_{run['name']}.png", f"{run['name']}: {run['model']['attn']} gate dynamics"))
 
-    maps, pieces, layer_used = [], None, None
-    for run in runs:
-        try:
-            model, _ = load_checkpoint(run["path"], "cpu", kernel="ref")
-        except CheckpointError as e:
-            notes.append(f"{run['name']}: no gate-by-category or attention figure: {e}")
-            continue
-        tokens, source = load_text_tokens(run, args["text"], args["n_tokens"])
-        if tokens is None:
-            notes.append(f"{run['name']}: no gate-by-category or attention figure: {source}")
-            continue
-        seq_len = run["train"].get("seq_len") or 256
-        idx = _chunks(tokens, seq_len, model.cfg.vocab_size)
-        if idx.numel() == 0:
-            notes.append(f"{run['name']}: the text ({source}) has no tokens the model knows")
-            continue
-        _default_tiktoken_cache()
-        import tiktoken
-
-        enc = tiktoken.get_encoding("gpt2")
-        decode = lambda t: enc.decode_single_token_bytes(t).decode("utf-8", errors="replace")
-        by_cat = gate_by_category(model, idx, decode)
-        if len(by_cat) > 1:
-            by_category[run["name"]] = by_cat
-            plot_gate_by_category(run, by_cat, out / f"categories_{run['name']}.png")
-            figures.append((f"categories_{run['name']}.png", f"{run['name']}: gate by token category ({source})"))
-        n_layer = model.cfg.n_layer
-        layer = args["layer"] % n_layer
-        head = min(args["head"], model.cfg.n_head - 1)
-        passage = idx[:1, : args["attn_tokens"]]
-        seen = capture_attend_inputs(model, passage, layer)
-        attn = model.layers[layer].self_attn
-        w = attention_weights(attn, seen["q"], seen["k"], seen["x"], seen["q_pos"], seen["k_pos"])
-        maps.append((f"{run['name']}: {describe(run)}", w[0, head].numpy()))
-        pieces = pieces or [decode(t) for t in passage[0].tolist()]
-        layer_used = (layer, head)
-    if maps:
-        # runs may differ in length of their passage when their vocab or seq_len differs
-        T = min(m.shape[0] for _, m in maps)
-        plot_attention([(t, m[:T, :T]) for t, m in maps], pieces[:T], *layer_used, out / "attention.png")
-        figures.append(("attention.png", f"attention weights of layer {layer_used[0]}, head {layer_used[1]}"))
-
+    by_category = checkpoint_figures(runs, args, out, figures, notes)
     summary = {**table, "figures": [f for f, _ in figures], "gate_by_category": by_category,
                "notes": notes}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -184,7 +184,7 @@ def parse_args(argv):
 
 
 def render_png(path, prompt, completion, caption):
-    """The prompt (grey) and its completion (black) as a small PNG, the command as caption."""
+    """The prompt (grey), its completion (black) and a caption (the command) as a small PNG."""
     import textwrap
 
     import matplotlib
@@ -195,13 +195,13 @@ def render_png(path, prompt, completion, caption):
     def wrap(text):
         return [line for para in text.strip("\n").split("\n") for line in (textwrap.wrap(para, 96) or [""])]
 
-    lines = [(line, "0.45") for line in wrap(prompt)] + [(line, "black") for line in wrap(completion)]
-    height = 0.17 * len(lines) + 0.55  # inches
+    lines = ([(line, "0.45") for line in wrap(prompt)] + [(line, "black") for line in wrap(completion)]
+             + [("", "black")] + [(line, "tab:blue") for line in textwrap.wrap(caption, 96)])
+    height = 0.17 * len(lines) + 0.3  # inches
     fig = plt.figure(figsize=(8, height), dpi=110)
     for i, (line, color) in enumerate(lines):
         fig.text(0.02, 1 - (0.12 + 0.17 * i) / height, line, family="monospace", fontsize=7.5,
                  color=color, va="top")
-    fig.text(0.02, 0.1 / height, caption, family="monospace", fontsize=6.5, color="tab:blue")
     fig.savefig(path)
     plt.close(fig)
 
@@ -254,7 +254,9 @@ def main(argv=None):
     print(f"---\n{len(new_tokens)} tokens in {seconds:.2f} s: "
           f"{len(new_tokens) / max(seconds, 1e-9):.1f} tokens/s ({device}, KV cache)")
     if args["png"]:
-        caption = "python sample.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        caption = (f"python sample.py {shlex.join(sys.argv[1:] if argv is None else argv)}  "
+                   f"# {cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, step "
+                   f"{ckpt.get('step', '?')}, {len(new_tokens) / max(seconds, 1e-9):.0f} tokens/s on {device}")
         render_png(args["png"], prompt, completion, caption)
         print(f"wrote {args['png']}")
 
