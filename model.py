@@ -32,7 +32,7 @@ class ModelConfig:
     # attention variant and its settings (attention.py documents each)
     attn: str = "full"
     window: int = 256  # a query at i sees keys i - window .. i in windowed variants
-    kernel: str = "ref"  # 'ref': attention.py as written; 'fused': kernels.py
+    kernel: str = "fused"  # 'ref': attention.py as written; 'fused': kernels.py
     dsa_gate: bool = True
     dsa_window: str = "adaptive"  # adaptive | fixed | none
     dsa_threshold: int = 512  # adaptive: windowed only for query positions >= this
