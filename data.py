@@ -270,6 +270,60 @@ def download_fineweb_gpt2(out_dir, shards):
         print(f"{name}: {n:,} tokens")
 
 
+def recall_sequences(n_seq, seq_len=256, n_keys=32, n_values=64, seed=0):
+    """Synthetic multi-query associative recall with dense supervision (in the spirit of
+    Zoology's MQAR, Arora et al. 2023): the long-range probe of experiments/recall.py.
+
+    Each sequence draws a fresh random mapping key -> value (each key's value uniform over
+    n_values, independently) and is a stream of seq_len / 2 pairs `k v`: even positions hold
+    keys, drawn uniformly at random (so a key recurs at many distances), the next position
+    its value. Token ids: keys 0 .. n_keys-1, values n_keys .. n_keys+n_values-1 (train
+    with --vocab_size >= n_keys + n_values, e.g. 256). A key that occurred before in the
+    same sequence is a query: at its position the model must predict its value, seen right
+    after the previous occurrence. Values of first occurrences and every next key are
+    unpredictable, so they only add a constant to the loss.
+
+    Returns (tokens uint16 (n_seq, seq_len), queries) where queries is a dict of int64
+    arrays, one entry per query: `seq` (row), `pos` (position of the key token: the logits
+    there predict the answer), `answer` (the value token) and `distance` (pos minus the
+    position of that key's previous occurrence; the answer token sits at distance - 1).
+    Deterministic in seed.
+    """
+    assert seq_len % 2 == 0 and n_keys + n_values <= 2 ** 16, (seq_len, n_keys, n_values)
+    rng = np.random.default_rng(seed)
+    n_pairs = seq_len // 2
+    keys = rng.integers(0, n_keys, size=(n_seq, n_pairs))  # (N, P)
+    mapping = rng.integers(0, n_values, size=(n_seq, n_keys))  # (N, n_keys)
+    values = np.take_along_axis(mapping, keys, axis=1) + n_keys  # (N, P)
+    tokens = np.stack([keys, values], axis=2).reshape(n_seq, seq_len).astype(np.uint16)
+    # Previous occurrence of each pair's key: scan pairs once, remembering the last pair index.
+    last = np.full((n_seq, n_keys), -1, dtype=np.int64)
+    rows = np.arange(n_seq)
+    prev = np.empty((n_seq, n_pairs), dtype=np.int64)  # (N, P) pair index, -1 if first
+    for p in range(n_pairs):
+        prev[:, p] = last[rows, keys[:, p]]
+        last[rows, keys[:, p]] = p
+    seq, pair = np.nonzero(prev >= 0)
+    queries = {"seq": seq, "pos": 2 * pair, "answer": values[seq, pair].astype(np.int64),
+               "distance": 2 * (pair - prev[seq, pair])}
+    return tokens, queries
+
+
+def write_recall_shards(out_dir, max_tokens=None, val_tokens=None, seq_len=256, n_keys=32,
+                        n_values=64, seed=0):
+    """Recall shards: a val shard (seed + 1) then one train shard (seed), whole sequences of
+    seq_len back to back, so train.py with --seq_len=seq_len reads one sequence per row."""
+    max_tokens = max_tokens or 4_000_000
+    val_tokens = val_tokens or max(seq_len, max_tokens // 10)
+    os.makedirs(out_dir, exist_ok=True)
+    for split, n_tok, s in (("val", val_tokens, seed + 1), ("train", max_tokens - val_tokens, seed)):
+        tokens, _ = recall_sequences(max(1, n_tok // seq_len), seq_len, n_keys, n_values, s)
+        write_shard(os.path.join(out_dir, f"recall_{split}_{0 if split == 'val' else 1:06d}.bin"),
+                    tokens.reshape(-1))
+    print(f"wrote recall shards to {out_dir}: seq_len {seq_len}, {n_keys} keys, {n_values} values, "
+          f"vocab {n_keys + n_values}")
+
+
 # ----------------------------------------------------------------------------- tokenizing
 
 _enc = None
@@ -371,7 +425,7 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True,
-                   help="fineweb | fineweb-gpt2 | a path, folder or glob of .jsonl/.txt/.parquet")
+                   help="fineweb | fineweb-gpt2 | recall | a path, folder or glob of .jsonl/.txt/.parquet")
     p.add_argument("--out_dir", required=True, help="folder for the .bin shards")
     p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens (val included)")
     p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard")
@@ -383,11 +437,16 @@ def main(argv=None):
     p.add_argument("--text_field", default="text", help="jsonl/parquet field holding the text")
     p.add_argument("--fineweb_name", default="sample-10BT", help="fineweb config to stream")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--recall", default="256,32,64,0", help="recall: seq_len,n_keys,n_values,seed")
     args = p.parse_args(argv)
     try:
         if args.source == "fineweb-gpt2":
             os.makedirs(args.out_dir, exist_ok=True)
             download_fineweb_gpt2(args.out_dir, args.shards)
+            return 0
+        if args.source == "recall":  # synthetic, no tokenizer (recall_sequences)
+            seq_len, n_keys, n_values, seed = (int(v) for v in args.recall.split(","))
+            write_recall_shards(args.out_dir, args.max_tokens, args.val_tokens, seq_len, n_keys, n_values, seed)
             return 0
         if args.val_tokens is None:
             args.val_tokens = 1_000_000 if args.max_tokens is None else min(10_000_000, max(args.max_tokens // 10, 1))
