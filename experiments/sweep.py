@@ -1,5 +1,7 @@
 """The papers' tables at small scale: every variant and ablation, 2 seeds, then the recall
-probe, analyze.py and RESULTS.md. One command (here, on the 2-core CPU, ~75 min):
+probe, analyze.py and RESULTS.md. One command (here, on the 2-core CPU: ~60 min estimated
+from single runs measured on the shared machine: an LM run of full 69 s, asga ~140 s, a recall
+run of full 59 s, local 94 s):
 
     python experiments/sweep.py
     python experiments/sweep.py --data_dir=data/fineweb10B --model=small --tokens=50_000_000  # a GPU node
