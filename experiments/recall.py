@@ -21,7 +21,7 @@ adaptive threshold 64, caa's widest window 64), the tiny 2-layer model with an u
 Tuning, measured on this CPU (full attention; chance 1/16): 32 keys / 64 values stayed at the
 bigram loss for 350 steps of 32 x 256 tokens; 16 keys / 16 values learns, slowly: 17%
 accuracy (18.5% at d <= 32, 11% at d > 64) after 500 steps of 8 x 256 tokens at lr 3e-3;
-lr 1e-2 learned more slowly. With the settings below (600 steps of 8 x 256, seed 0, 512
+lr 1e-2 learned more slowly. With the settings below but 600 steps (8 x 256, seed 0, 512
 held-out sequences) `full` scored 0.174 / 0.141 / 0.108 in the three buckets and `local`
 0.193 / 0.109 / 0.071 (chance 0.0625). No sharp induction transition happened within these
 budgets, so the probe measures early, partial retrieval: compare variants, not absolute
@@ -48,7 +48,7 @@ EVAL_SEED, EVAL_SEQS = 10_000, 256  # held-out sequences: a seed no shard uses
 # train.py overrides of every recall run (the sweep may change max_steps).
 TRAIN = dict(model="tiny", vocab_size=256, tie_embeddings=False, window=32, dsa_threshold=64,
              caa_window_max=64, seq_len=TASK["seq_len"], batch_size=8, total_batch_tokens=2048,
-             lr=3e-3, warmup_steps=30, max_steps=600, eval_every=200, val_tokens=4096,
+             lr=3e-3, warmup_steps=30, max_steps=500, eval_every=100, val_tokens=4096,
              ckpt_every=100000)
 
 

@@ -1,7 +1,7 @@
 """The papers' tables at small scale: every variant and ablation, 2 seeds, then the recall
-probe, analyze.py and RESULTS.md. One command (here, on the 2-core CPU: ~60 min estimated
-from single runs measured on the shared machine: an LM run of full 69 s, asga ~140 s, a recall
-run of full 59 s, local 94 s):
+probe, analyze.py and RESULTS.md. One command (here, on the 2-core CPU: ~45-65 min, estimated
+from single runs measured while other jobs shared the 2 cores (load ~4): an LM run of 60 steps
+took 69 s for full and 275 s for asga, a 600-step recall run 59 s for full and 94 s for local):
 
     python experiments/sweep.py
     python experiments/sweep.py --data_dir=data/fineweb10B --model=small --tokens=50_000_000  # a GPU node
@@ -17,7 +17,7 @@ Choices (CPU defaults; all are flags): the `tiny` model (2 layers, d_model 64, 4
 GPT-2 vocabulary, so most of its 3.3M parameters are the tied embedding), sequences of 1024
 so that windows of 256 bind (dsa's adaptive rule windows only from position 512), global
 batch 2 x 1024 tokens, lr 3e-3 with 10 warm-up steps and cosine decay to 0.1x, --tokens per
-run (default 122,880 = 60 steps), validation on the first 8,192 val tokens every 10 steps.
+run (default 102,400 = 50 steps), validation on the first 8,192 val tokens every 10 steps.
 The kernel: --kernel=fused when kernels.py is committed (`git ls-files kernels.py`), else ref.
 """
 import argparse
@@ -402,7 +402,7 @@ def main(argv=None):
     p.add_argument("--results_md", default=str(ROOT / "RESULTS.md"))
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq_len", type=int, default=1024)
-    p.add_argument("--tokens", type=int, default=122_880, help="training tokens per LM run")
+    p.add_argument("--tokens", type=int, default=102_400, help="training tokens per LM run")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--kernel", default=None, help="ref | fused (default: fused if kernels.py is committed)")
