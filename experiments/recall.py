@@ -135,6 +135,9 @@ def run(attn, seed, out_dir, data_dir, flags=None, **overrides):
     """Make data, train (unless finished), evaluate; writes and returns out_dir/recall.json."""
     make_data(data_dir)
     cmd = train_command(attn, seed, data_dir, out_dir, flags, **overrides)
+    done = Path(out_dir, "recall.json")
+    if run_finished(out_dir) and done.exists():  # a resumed sweep: scored already
+        return json.loads(done.read_text())
     if not run_finished(out_dir):
         if (Path(out_dir) / "ckpt.pt").exists():
             cmd.append("--resume=True")
