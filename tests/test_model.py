@@ -10,7 +10,9 @@ from attention import VARIANTS, causal_mask, rope_cos_sin
 from model import PRESETS, Model, ModelConfig
 
 SMALL_VOCAB = 512  # enough for structural tests; learning tests use GPT-2's real vocabulary
-WINDOWS = dict(window=6, caa_window_max=12, dsa_threshold=512)
+# kernel="ref": this file tests attention.py as written; tests/test_kernels.py holds the fast
+# paths to it, output and gradient.
+WINDOWS = dict(window=6, caa_window_max=12, dsa_threshold=512, kernel="ref")
 
 # Every variant with every ablation flag (SPEC.md "Ablations ... are flags of these classes").
 CONFIGS = [
@@ -182,7 +184,7 @@ def test_init_loss_and_learns_a_batch(attn, english_text):
     import tiktoken
 
     torch.manual_seed(0)
-    cfg = ModelConfig(**PRESETS["tiny"], attn=attn, window=16, caa_window_max=32, dsa_threshold=32)
+    cfg = ModelConfig(**PRESETS["tiny"], attn=attn, window=16, caa_window_max=32, dsa_threshold=32, kernel="ref")
     model = Model(cfg)
     rand = torch.randint(0, 50257, (4, 65))
     with torch.no_grad():
