@@ -81,7 +81,7 @@ class Band:
     c in [0, L), whose distance to the query, a + Wp - c, is the same for every block."""
 
     BLOCK = 64  # largest query block; ~window/4 (a band wastes Bq/(Bq+W) of its work on masked keys)
-    CHUNK = 1 << 19  # score elements per chunk (2 MB): a chunk's scores stay in cache
+    CHUNK = 1 << 22  # score elements per chunk (16 MB): few ops, yet O(chunk) memory, not O(T * L)
 
     def __init__(self, G, T, S, off, window, device):
         self.G, self.T, self.S, self.off, self.window = G, T, S, off, window
@@ -96,7 +96,9 @@ class Band:
         self.L = self.Bq + self.Wp
         self.R = (self.nb + self.n) * self.Bq  # keys one head's bands cover: [off - Wp, off + Tp)
         self.flat = off == 0
-        self.chunk = max(1, min(self.nb, self.CHUNK // (self.Bq * self.L)))  # blocks per chunk
+        blocks = G * self.nb if self.flat else self.nb  # what one chunk may span
+        per_chunk = max(1, self.CHUNK // (self.Bq * self.L))
+        self.chunk = -(-blocks // -(-blocks // per_chunk))  # blocks per chunk, balanced
         self.device = device
         self.dist = (torch.arange(self.Bq, device=device)[:, None] + self.Wp
                      - torch.arange(self.L, device=device))  # (Bq, L)
@@ -165,30 +167,43 @@ class Band:
         out[:, lo:hi] = buf.view(self.G, self.R, D)[:, lo - self.off + self.Wp: hi - self.off + self.Wp]
         return out
 
-    def row(self, g, b):
-        """Row of the key buffer where the band of head g's block b starts."""
-        return (g * self.nb + b) * self.Bq if self.flat else g * self.R + b * self.Bq
+    def row(self, i):
+        """Row of the key buffer where the band of block i (head i // nb) starts."""
+        return i * self.Bq if self.flat else (i // self.nb) * self.R + (i % self.nb) * self.Bq
 
-    def bands(self, buf, g, b0, b1):
-        """(b1 - b0, L, D) view: the bands of head g's blocks b0 .. b1-1."""
-        return buf[self.row(g, b0):].as_strided((b1 - b0, self.L, buf.shape[-1]), (self.Bq * buf.shape[-1], buf.shape[-1], 1))
+    def bands(self, buf, i0, i1):
+        """(i1 - i0, L, D) view: the bands of blocks i0 .. i1-1 (of one head, with a cache)."""
+        D = buf.shape[-1]
+        return buf[self.row(i0):].as_strided((i1 - i0, self.L, D), (self.Bq * D, D, 1))
 
     def chunks(self):
-        """(g, b0, b1): the blocks, a chunk of at most `chunk` blocks of one head at a time."""
-        for g in range(self.G):
-            for b0 in range(0, self.nb, self.chunk):
-                yield g, b0, min(self.nb, b0 + self.chunk)
-
-    def scores(self, out, qb, kbuf, g, b0, b1, bias):
-        """Logits of head g's blocks b0 .. b1-1 into out (b1 - b0, Bq, L), masked."""
-        torch.bmm(qb, self.bands(kbuf, g, b0, b1).transpose(1, 2), out=out)
-        if bias is None:
-            for cols in self.masked_columns:  # the window's two corners, not the whole band
-                out[..., cols] += self.band_mask[:, cols]
-            if b0 < len(self.edge):
-                out[:len(self.edge) - b0] += self.edge[b0:b1]
+        """(i0, i1): the G * nb blocks, at most `chunk` at a time; without a cache a chunk may
+        span heads (their bands are equally spaced in the buffer), with one it may not."""
+        if self.flat:
+            for i0 in range(0, self.G * self.nb, self.chunk):
+                yield i0, min(self.G * self.nb, i0 + self.chunk)
         else:
-            out += bias[g // (self.G // bias.shape[0]), b0:b1]
+            for g in range(self.G):
+                for b0 in range(0, self.nb, self.chunk):
+                    yield g * self.nb + b0, g * self.nb + min(self.nb, b0 + self.chunk)
+
+    def bias_rows(self, bias, i0, i1):
+        """Index into bias.view(-1, Bq, L) of blocks i0 .. i1-1: bias is shared by the heads
+        of a batch row (and by all of them when it has one row)."""
+        i = torch.arange(i0, i1, device=self.device)
+        return (i // self.nb) // (self.G // bias.shape[0]) * self.nb + i % self.nb
+
+    def scores(self, out, qb, kbuf, i0, i1, bias):
+        """Logits of blocks i0 .. i1-1 into out (i1 - i0, Bq, L), masked."""
+        torch.bmm(qb, self.bands(kbuf, i0, i1).transpose(1, 2), out=out)
+        if bias is not None:
+            return out.add_(bias.view(-1, self.Bq, self.L).index_select(0, self.bias_rows(bias, i0, i1)))
+        for cols in self.masked_columns:  # the window's two corners, not the whole band
+            out[..., cols] += self.band_mask[:, cols]
+        for g in range(i0 // self.nb, (i1 - 1) // self.nb + 1):  # each head's first blocks
+            lo, hi = max(i0, g * self.nb), min(i1, g * self.nb + len(self.edge))
+            if lo < hi:
+                out[lo - i0:hi - i0] += self.edge[lo - g * self.nb:hi - g * self.nb]
         return out
 
 
@@ -211,20 +226,20 @@ class BandAttention(torch.autograd.Function):
         o = torch.empty_like(qb)
         e = u = lse = None
         if extra_logit is not None:
-            e = F.pad(extra_logit, (0, band.Tp - band.T), value=NEG_INF).view(nb, Bq, 1)
+            e = F.pad(extra_logit, (0, band.Tp - band.T), value=NEG_INF).view(nb, Bq, 1).repeat(band.G, 1, 1)
             u, lse = band.pad_queries(extra_value), qb.new_empty(band.G * nb, Bq, 1)
         work, work_p = qb.new_empty(band.chunk, Bq, L), qb.new_empty(band.chunk, Bq, L)
-        for g, b0, b1 in band.chunks():
-            i = slice(g * nb + b0, g * nb + b1)
-            s = band.scores(work[:b1 - b0], qb[i], kbuf, g, b0, b1, bias)
+        for i0, i1 in band.chunks():
+            i = slice(i0, i1)
+            s = band.scores(work[:i1 - i0], qb[i], kbuf, i0, i1, bias)
             if e is None:  # torch's softmax: its exp is ~2x faster than exp_
-                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:b1 - b0])
+                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:i1 - i0])
             else:  # one more key, logit e, value u: the softmax through its log-sum-exp
-                lse[i] = torch.logaddexp(torch.logsumexp(s, -1, keepdim=True), e[b0:b1])
+                lse[i] = torch.logaddexp(torch.logsumexp(s, -1, keepdim=True), e[i])
                 p = s.sub_(lse[i]).exp_()
-            torch.bmm(p, band.bands(vbuf, g, b0, b1), out=o[i])
+            torch.bmm(p, band.bands(vbuf, i0, i1), out=o[i])
             if e is not None:
-                o[i] += torch.exp(e[b0:b1] - lse[i]) * u[i]
+                o[i] += torch.exp(e[i] - lse[i]) * u[i]
         ctx.band = band
         ctx.save_for_backward(qb, kbuf, vbuf, o, bias, e, u, lse)
         return band.unpad(o)
@@ -240,25 +255,25 @@ class BandAttention(torch.autograd.Function):
         d_bias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
         d_extra = torch.zeros_like(u) if u is not None and ctx.needs_input_grad[6] else None
         work, work_p, work_dp = (qb.new_empty(band.chunk, Bq, L) for _ in range(3))
-        for g, b0, b1 in band.chunks():
-            i = slice(g * nb + b0, g * nb + b1)
-            s = band.scores(work[:b1 - b0], qb[i], kbuf, g, b0, b1, bias)  # the forward's, again
+        for i0, i1 in band.chunks():
+            i = slice(i0, i1)
+            s = band.scores(work[:i1 - i0], qb[i], kbuf, i0, i1, bias)  # the forward's, again
             if e is None:
-                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:b1 - b0])
+                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:i1 - i0])
             else:
                 p = s.sub_(lse[i]).exp_()
                 if d_extra is not None:
-                    d_extra[i] = torch.exp(e[b0:b1] - lse[i]) * do[i]
-            ds = torch.bmm(do[i], band.bands(vbuf, g, b0, b1).transpose(1, 2), out=work_dp[:b1 - b0])
+                    d_extra[i] = torch.exp(e[i] - lse[i]) * do[i]
+            ds = torch.bmm(do[i], band.bands(vbuf, i0, i1).transpose(1, 2), out=work_dp[:i1 - i0])
             ds.sub_(delta[i]).mul_(p)  # d logits
-            torch.bmm(ds, band.bands(kbuf, g, b0, b1), out=dq[i])
+            torch.bmm(ds, band.bands(kbuf, i0, i1), out=dq[i])
             for m in range(band.n + 1):  # sub-block m of every band: Bq rows of the key buffer
-                rows = slice(band.row(g, b0) + m * Bq, band.row(g, b1) + m * Bq)
+                rows = slice(band.row(i0) + m * Bq, band.row(i0) + (i1 - i0 + m) * Bq)
                 cols = slice(m * Bq, (m + 1) * Bq)
-                dv[rows].view(b1 - b0, Bq, D).baddbmm_(p[..., cols].transpose(1, 2), do[i])
-                dk[rows].view(b1 - b0, Bq, D).baddbmm_(ds[..., cols].transpose(1, 2), qb[i])
+                dv[rows].view(i1 - i0, Bq, D).baddbmm_(p[..., cols].transpose(1, 2), do[i])
+                dk[rows].view(i1 - i0, Bq, D).baddbmm_(ds[..., cols].transpose(1, 2), qb[i])
             if d_bias is not None:
-                d_bias[g // (band.G // bias.shape[0]), b0:b1] += ds
+                d_bias.view(-1, Bq, L).index_add_(0, band.bias_rows(bias, i0, i1), ds)
         d_extra = None if d_extra is None else band.unpad(d_extra)
         return band.unpad(dq), band.key_grad(dk), band.key_grad(dv), d_bias, None, None, d_extra
 
@@ -314,7 +329,7 @@ class PairGatedAttention(torch.autograd.Function):
     the forward, once in the backward."""
 
     BLOCK = 64  # queries per block
-    TILE = 1 << 19  # elements of one hidden tile: 2 MB, so a tile's passes stay in cache
+    TILE = 1 << 21  # elements of one hidden tile (8 MB): fewer, larger ops; measured best
 
     @staticmethod
     def _chunk(G, r):
@@ -339,15 +354,17 @@ class PairGatedAttention(torch.autograd.Function):
         w2_row, chunk = w2[:, None, :], PairGatedAttention._chunk(G, r)
         buffers = [q.new_empty(G * r * PairGatedAttention.BLOCK * chunk) for _ in range(2)]
         o, lse = torch.empty_like(q), q.new_empty(G, T, 1)
+        rows = [q.new_empty(G * PairGatedAttention.BLOCK * S) for _ in range(2)]  # (G, bq, K) each
         for t0 in range(0, T, PairGatedAttention.BLOCK):
             t1 = min(T, t0 + PairGatedAttention.BLOCK)
             K = min(S, off + t1)  # keys any query of this block may see
-            z = q.new_empty(G, t1 - t0, K)
+            z = rows[0][:G * (t1 - t0) * K].view(G, t1 - t0, K)
             for c0 in range(0, K, chunk):
                 c1 = min(K, c0 + chunk)
                 z[:, :, c0:c1] = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)[2]
-            s = torch.sigmoid(z.add_(b2[:, None, None]))
-            logits = _mask_future_(torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2)).mul_(s), t0, off)
+            s = torch.sigmoid_(z.add_(b2[:, None, None]))
+            logits = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=rows[1][:z.numel()].view(z.shape))
+            logits = _mask_future_(logits.mul_(s), t0, off)
             lse[:, t0:t1] = torch.logsumexp(logits, -1, keepdim=True)
             o[:, t0:t1] = torch.bmm(logits.sub_(lse[:, t0:t1]).exp_(), v[:, :K])
         ctx.off = off
@@ -403,7 +420,7 @@ class TopkAttention(torch.autograd.Function):
     into that block's (G, Bq, K) buffer for dense matmuls, which beat gathering the chosen
     keys on CPU. Saves only each query's chosen key indices and probabilities, (G, T, max k)."""
 
-    BLOCK = 64
+    SCORES = 1 << 22  # elements of one block's (G, Bq, K) scores: 16 MB
 
     @staticmethod
     def forward(ctx, q, k, v, k_per_query, off):
@@ -411,10 +428,13 @@ class TopkAttention(torch.autograd.Function):
         S = k.shape[1]
         o = torch.empty_like(q)
         chosen = []
-        for t0 in range(0, T, TopkAttention.BLOCK):
-            t1 = min(T, t0 + TopkAttention.BLOCK)
+        block = max(16, TopkAttention.SCORES // (G * S))
+        work = q.new_empty(G * block * S)  # one buffer for every block: no heap fragments
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
             K = min(S, off + t1)
-            scores = _mask_future_(torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2)), t0, off)
+            scores = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=work[:G * (t1 - t0) * K].view(G, t1 - t0, K))
+            scores = _mask_future_(scores, t0, off)
             kmax = min(K, int(k_per_query[t0:t1].max()))
             logits, idx = scores.topk(kmax, -1)  # (G, bq, kmax), best first
             rank_ok = torch.arange(kmax, device=q.device) < k_per_query[t0:t1, None]  # (bq, kmax)
@@ -423,26 +443,29 @@ class TopkAttention(torch.autograd.Function):
             p = torch.softmax(logits.masked_fill_(~keep, NEG_INF), -1)
             o[:, t0:t1] = torch.bmm(scores.zero_().scatter_(-1, idx, p), v[:, :K])
             chosen.append((idx, p))
-        ctx.off, ctx.chosen = off, chosen
+        ctx.off, ctx.chosen, ctx.block = off, chosen, block
         ctx.save_for_backward(q, k, v)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v = ctx.saved_tensors
+        G, S = q.shape[0], k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        work, work_dp = q.new_empty(G * ctx.block * S), q.new_empty(G * ctx.block * S)
         for b, (idx, p) in enumerate(ctx.chosen):
-            t0 = b * TopkAttention.BLOCK
+            t0 = b * ctx.block
             t1 = t0 + idx.shape[1]
-            K = min(k.shape[1], ctx.off + t1)
+            K = min(S, ctx.off + t1)
             qb, dob = q[:, t0:t1], do[:, t0:t1]
-            dense = torch.zeros(idx.shape[:2] + (K,), dtype=q.dtype, device=q.device).scatter_(-1, idx, p)
-            dv[:, :K] += torch.bmm(dense.transpose(1, 2), dob)
-            dp = torch.bmm(dob, v[:, :K].transpose(1, 2)).gather(-1, idx)
+            shape = (G, t1 - t0, K)
+            dense = work[:G * (t1 - t0) * K].view(shape).zero_().scatter_(-1, idx, p)
+            dv[:, :K].baddbmm_(dense.transpose(1, 2), dob)
+            dp = torch.bmm(dob, v[:, :K].transpose(1, 2), out=work_dp[:dense.numel()].view(shape)).gather(-1, idx)
             dlogits = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)
             dense.zero_().scatter_(-1, idx, dlogits)
             dq[:, t0:t1] = torch.bmm(dense, k[:, :K])
-            dk[:, :K] += torch.bmm(dense.transpose(1, 2), qb)
+            dk[:, :K].baddbmm_(dense.transpose(1, 2), qb)
         return dq, dk, dv, None, None
 
 
@@ -566,11 +589,12 @@ def attend(module, q, k, v, x, q_pos, k_pos):
 
 BENCH = dict(B=1, H=8, D=64, d_model=512, window=256)
 VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa")
-# Reference tensors alive at its peak (forward + backward), in units of one fp32 (B, H, T, T)
-# score matrix; asga adds (B, H, T, T, r) pair tensors. Measured at T = 1024 and 2048 with
-# this benchmark, rounded up; used only to skip a reference that cannot fit (reported as OOM).
-REF_SCORES = dict(full=6, local=7, dsa=8, asga=8, caa=16)
-REF_PAIRS = dict(asga=5)
+# The reference's peak memory in units of one fp32 (B, H, T, T) score matrix, plus asga's
+# (B, H, T, T, r) pair tensors: measured with this benchmark at T = 1024 and 2048 (3.3 for
+# full/local/dsa, 8.8 for caa, 3.1 pair tensors for asga) and rounded up. Used only to skip a
+# reference that cannot fit in the memory budget; the row then says OOM, with the prediction.
+REF_SCORES = dict(full=4, local=4, dsa=4.5, asga=4, caa=10)
+REF_PAIRS = dict(asga=3.5)
 
 
 def predicted_ref_bytes(variant, T, r=16):
@@ -627,13 +651,10 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident set to the current one
         base = _rss_kb("VmRSS:")
-        times = []
-        while len(times) < 6:  # the first run is the warm-up
-            times.append(step())
-            spent = sum(times)
-            if len(times) >= 3 and spent > budget_s or len(times) >= 2 and spent > 2 * budget_s:
-                break
-        runs = times[1:]
+        warmup, runs = step(), []
+        while len(runs) < 5 and not (runs and sum(runs) > budget_s and (len(runs) >= 2 or runs[0] > budget_s / 2)):
+            runs.append(step())
+        times = [warmup] + runs
         conn.send(dict(ms=1e3 * statistics.median(runs), runs=len(runs),
                        peak_mb=(_rss_kb("VmHWM:") - base) / 1024, all_ms=[round(1e3 * t, 1) for t in times]))
     except Exception as e:  # noqa: BLE001 - reported in the row; an allocation failure is OOM
@@ -642,15 +663,22 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
 
 
 def benchmark(lengths, variants, threads, budget_s, max_bytes):
-    """[row]: one per (variant, T, path), each measured alone in a forked child process, the
-    three paths of a (variant, T) one after the other so that they share the machine's load.
-    Rows for a reference predicted past max_bytes are marked oom without running."""
+    """[row]: one per (variant, T, path): the attention core alone (the module's `attend`,
+    `kernels.attend`, or causal SDPA on the same q, k, v), forward + backward with a random
+    cotangent, module parameters random. Each row is measured alone in a forked child process
+    (see `_measure`), the three paths of a (variant, T) one after the other so that they
+    share the machine's load. A reference predicted past max_bytes is not run: its row says
+    oom, with the prediction; one that fails to allocate says oom too.
+
+    threads: torch's intra-op threads. On a 2-core machine shared with other jobs, 2 threads
+    make every op wait for a descheduled OpenMP thread: the same case measured 0.14 s and 7 s
+    minutes apart. 1 thread gives repeatable numbers there."""
     ctx = multiprocessing.get_context("fork")  # the parent never runs torch ops: fork is safe
     rows = []
     for T in lengths:
         for variant in variants:
             for path in ("ref", "fused", "sdpa"):
-                row = dict(variant=variant, T=T, path=path, threads=threads, **BENCH)
+                row = dict(variant=variant, T=T, path=path, threads=threads, torch=torch.__version__, **BENCH)
                 if path == "ref" and predicted_ref_bytes(variant, T) > max_bytes:
                     row.update(ms=None, peak_mb=None, oom=True,
                                error=f"predicted {predicted_ref_bytes(variant, T) / 2**30:.0f} GiB "
@@ -694,27 +722,55 @@ def table(rows):
     return "\n".join(lines)
 
 
+def targets(rows):
+    """Issue 4's targets, checked against the rows that exist: [line]."""
+    get = {(r["variant"], r["T"], r["path"]): r.get("ms") for r in rows}
+    mem = {(r["variant"], r["T"], r["path"]): r.get("peak_mb") for r in rows}
+    checks = []
+
+    def check(what, value, ok):
+        if value is not None:
+            checks.append(f"{'met ' if ok(value) else 'MISSED'} {what}: {value:.2f}")
+
+    def ratio(table, a, b):
+        return None if table.get(a) is None or table.get(b) is None else table[a] / table[b]
+
+    check("local T=8192 SDPA/fused time (>= 6)", ratio(get, ("local", 8192, "sdpa"), ("local", 8192, "fused")), lambda x: x >= 6)
+    check("local T=8192 ref/fused time (>= 12)", ratio(get, ("local", 8192, "ref"), ("local", 8192, "fused")), lambda x: x >= 12)
+    check("local T=8192 ref/fused memory (>= 8)", ratio(mem, ("local", 8192, "ref"), ("local", 8192, "fused")), lambda x: x >= 8)
+    for variant in ("local", "dsa"):  # the fused windowed paths
+        check(f"{variant} fused time 8192/4096 (<= 2.3)", ratio(get, (variant, 8192, "fused"), (variant, 4096, "fused")), lambda x: x <= 2.3)
+        check(f"{variant} fused memory 8192/4096 (<= 2.3)", ratio(mem, (variant, 8192, "fused"), (variant, 4096, "fused")), lambda x: x <= 2.3)
+    check("asga T=2048 ref/fused time (>= 2)", ratio(get, ("asga", 2048, "ref"), ("asga", 2048, "fused")), lambda x: x >= 2)
+    check("asga T=2048 fused/ref memory (<= 0.1)", ratio(mem, ("asga", 2048, "fused"), ("asga", 2048, "ref")), lambda x: x <= 0.1)
+    check("asga T=8192 fused runs, seconds", None if get.get(("asga", 8192, "fused")) is None
+          else get[("asga", 8192, "fused")] / 1e3, lambda x: True)
+    return checks
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced grid, under a minute")
     parser.add_argument("--out", help="write the raw rows to this JSON file")
     parser.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",")])
     parser.add_argument("--variants", type=lambda s: s.split(","))
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (1: repeatable on a shared machine, see `benchmark`)")
     parser.add_argument("--budget", type=float, default=20.0, help="seconds of runs per case, roughly")
     parser.add_argument("--max-gb", type=float, help="memory one case may use (default: 60%% of available)")
     args = parser.parse_args()
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
     max_bytes = int(args.max_gb * 2**30) if args.max_gb else int(0.6 * available)
-    lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192, 16384])
+    lengths = args.lengths or ([512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
     variants = args.variants or list(VARIANT_NAMES)
-    budget = 1.0 if args.quick else args.budget
+    budget = 0.5 if args.quick else args.budget
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
           f"B={BENCH['B']} H={BENCH['H']} D={BENCH['D']} W={BENCH['window']} fp32, forward+backward, "
           f"memory budget {max_bytes / 2**30:.1f} GiB", flush=True)
     rows = benchmark(lengths, variants, args.threads, budget, max_bytes)
     print(table(rows))
+    print("\n".join(targets(rows)))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
