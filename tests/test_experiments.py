@@ -1,6 +1,7 @@
 """The experiments' own logic: the recall task's metadata, the verdict rule, and RESULTS.md
 reading its numbers from the logs (fabricated small logs; nothing is trained here)."""
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -134,3 +135,18 @@ def test_results_md_numbers_come_from_the_logs(tmp_path):
     rows_text = "\n".join(l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| config"))
     for number in re.findall(r"\d+\.\d{4}", rows_text):
         assert number in allowed, number
+
+
+def test_committed_results_md_is_regenerated_from_committed_logs():
+    """Every number in RESULTS.md comes from the committed run logs: rewriting it from
+    experiments/results/ gives the committed file, byte for byte."""
+    root = Path(__file__).resolve().parent.parent
+    committed = root / "RESULTS.md"
+    if not (root / "experiments" / "results" / "lm").is_dir():
+        pytest.fail("experiments/results/lm is missing: RESULTS.md would have no source")
+    out = root / f".RESULTS.check-{os.getpid()}.md"  # beside RESULTS.md: its links are relative
+    try:
+        sweep.write_results(root / "experiments" / "results", out)
+        assert out.read_text() == committed.read_text()
+    finally:
+        out.unlink(missing_ok=True)
