@@ -1,10 +1,14 @@
 """kernels.py computes what attention.py computes (issue 4): outputs and gradients of every
 fused path against the reference, KV-cache decoding, and training to the same losses.
 
-Relative error of a tensor a against the reference b: max|a - b| / max|b|. Where the reference
-gradient is identically zero (the output does not depend on that input: q at T = 1, a forced
-gate's parameters), the fused one must be below 1e-6 in absolute value instead, since a
-relative error is undefined there (SDPA's backward leaves ~1e-7 of rounding in dq at T = 1).
+Relative error of a tensor a against the reference b: max|a - b| / max|b|, below 1e-5 for
+outputs and 1e-4 for gradients (float32). Where the reference gradient is identically zero
+(the output does not depend on that input: q at T = 1, a forced gate's parameters), the fused
+one must be below 1e-6 in absolute value instead, since a relative error is undefined there
+(SDPA's backward leaves ~1e-7 of rounding in dq at T = 1). Left out, as ill-conditioned rather
+than wrong: caa with top-k 'all' when every key is inside the local window, where the two
+branches differ only through the far soft boundary and the mix gate's gradient is the
+rounding noise of their difference.
 """
 import contextlib
 
@@ -110,6 +114,13 @@ def forbid_reference():
                 cls.attend = method
 
 
+def ill_conditioned(cfg, T, p0=0, k0=0):
+    """caa with top-k 'all' where every key is inside the local window: the two branches
+    differ only by the far soft boundary, so the mix gate's gradient is their difference,
+    rounding noise (see the module docstring)."""
+    return cfg.attn == "caa" and cfg.caa_topk == "all" and cfg.window >= p0 + T - 1 - k0
+
+
 def rel_error(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -127,11 +138,8 @@ def test_fused_equals_reference(attn, flags):
             continue
         module = make_module(attn, **flags, **window)
         for T in LENGTHS:
-            if attn == "caa" and flags["caa_topk"] == "all" and window["window"] >= T - 1:
-                # Every key inside the window: the two branches differ only by the far soft
-                # boundary, so the mix gate's gradient is their difference, rounding noise.
-                continue
-            check(module, T, B=1 if T == 1000 else 2)
+            if not ill_conditioned(module.cfg, T):
+                check(module, T, B=1 if T == 1000 else 2)
 
 
 CACHE_CASES = [  # (first query position, first key position, T): S = p0 + T - k0 > T
@@ -139,14 +147,14 @@ CACHE_CASES = [  # (first query position, first key position, T): S = p0 + T - k
 ]
 
 
-@pytest.mark.parametrize("attn,flags", [c for c in CONFIGS if c[0] != "caa" or c[1]["caa_topk"] == "sqrt"],
-                         ids=[i for c, i in zip(CONFIGS, IDS) if c[0] != "caa" or c[1]["caa_topk"] == "sqrt"])
+@pytest.mark.parametrize("attn,flags", CONFIGS, ids=IDS)
 def test_fused_equals_reference_with_cache(attn, flags):
     """Queries after cached keys (k_pos may start > 0, as after trimming a window's cache);
     dsa's threshold (100) falls inside the (95, 0, 7) case."""
     module = make_module(attn, **flags, **WINDOWS["w100"])
     for p0, k0, T in CACHE_CASES:
-        check(module, T, p0=p0, k0=k0)
+        if not ill_conditioned(module.cfg, T, p0, k0):
+            check(module, T, p0=p0, k0=k0)
 
 
 @pytest.mark.parametrize("attn", list(VARIANTS))
