@@ -41,6 +41,7 @@ runs in float32 (not measured).
 side (see `benchmark`).
 """
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -599,7 +600,21 @@ REF_PAIRS = dict(asga=3.5)
 
 def predicted_ref_bytes(variant, T, r=16):
     scores = BENCH["B"] * BENCH["H"] * T * T * 4
-    return scores * (REF_SCORES[variant] + REF_PAIRS.get(variant, 0) * r)
+    attn = parse_variant(variant)[0]
+    return scores * (REF_SCORES[attn] + REF_PAIRS.get(attn, 0) * r)
+
+
+def parse_variant(spec):
+    """'dsa' or 'dsa:dsa_window=fixed,dsa_gate=False' -> ('dsa', {flag: typed value})."""
+    from model import ModelConfig
+
+    attn, _, rest = spec.partition(":")
+    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    flags = {}
+    for item in filter(None, rest.split(",")):
+        key, value = item.split("=")
+        flags[key] = value == "True" if types[key] is bool else types[key](value)
+    return attn, flags
 
 
 def _rss_kb(field):
@@ -623,9 +638,10 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
                 vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
             resource.setrlimit(resource.RLIMIT_AS, (vm + limit_bytes, vm + limit_bytes))
         torch.manual_seed(0)
+        attn, flags = parse_variant(variant)
         cfg = ModelConfig(n_head=BENCH["H"], n_kv_head=BENCH["H"], head_dim=BENCH["D"],
-                          d_model=BENCH["d_model"], window=BENCH["window"], attn=variant)
-        module = VARIANTS[variant](cfg)
+                          d_model=BENCH["d_model"], window=BENCH["window"], attn=attn, **flags)
+        module = VARIANTS[attn](cfg)
         for p in module.parameters():
             p.data.normal_(0, 0.1)
         B, H, D = BENCH["B"], BENCH["H"], BENCH["D"]
@@ -662,7 +678,7 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
         conn.send(dict(oom=isinstance(e, MemoryError) or "allocate" in message, error=message))
 
 
-def benchmark(lengths, variants, threads, budget_s, max_bytes):
+def benchmark(lengths, variants, threads, budget_s, max_bytes, paths=("ref", "fused", "sdpa")):
     """[row]: one per (variant, T, path): the attention core alone (the module's `attend`,
     `kernels.attend`, or causal SDPA on the same q, k, v), forward + backward with a random
     cotangent, module parameters random. Each row is measured alone in a forked child process
@@ -677,7 +693,7 @@ def benchmark(lengths, variants, threads, budget_s, max_bytes):
     rows = []
     for T in lengths:
         for variant in variants:
-            for path in ("ref", "fused", "sdpa"):
+            for path in paths:
                 row = dict(variant=variant, T=T, path=path, threads=threads, torch=torch.__version__, **BENCH)
                 if path == "ref" and predicted_ref_bytes(variant, T) > max_bytes:
                     row.update(ms=None, peak_mb=None, oom=True,
@@ -694,7 +710,7 @@ def benchmark(lengths, variants, threads, budget_s, max_bytes):
                     row.update(dict(ms=None, peak_mb=None), **result)
                 rows.append(row)
                 shown = "OOM" if row.get("oom") else f"{row['ms']:9.1f} ms {row['peak_mb']:8.1f} MB"
-                print(f"  {variant:6s} T={T:6d} {path:6s} {shown}", flush=True)
+                print(f"  {variant} T={T} {path} {shown}", flush=True)
     return rows
 
 
@@ -753,7 +769,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a reduced grid, under a minute")
     parser.add_argument("--out", help="write the raw rows to this JSON file")
     parser.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",")])
-    parser.add_argument("--variants", type=lambda s: s.split(","))
+    parser.add_argument("--variants", type=lambda s: s.split(";"),
+                        help="';'-separated, each a name with optional flags: 'dsa:dsa_window=fixed;caa'")
+    parser.add_argument("--paths", type=lambda s: s.split(","), default=["ref", "fused", "sdpa"])
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (1: repeatable on a shared machine, see `benchmark`)")
     parser.add_argument("--budget", type=float, default=20.0, help="seconds of runs per case, roughly")
@@ -768,7 +786,7 @@ def main():
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
           f"B={BENCH['B']} H={BENCH['H']} D={BENCH['D']} W={BENCH['window']} fp32, forward+backward, "
           f"memory budget {max_bytes / 2**30:.1f} GiB", flush=True)
-    rows = benchmark(lengths, variants, args.threads, budget, max_bytes)
+    rows = benchmark(lengths, variants, args.threads, budget, max_bytes, args.paths)
     print(table(rows))
     print("\n".join(targets(rows)))
     if args.out:
