@@ -210,9 +210,10 @@ class Band:
 
 class BandAttention(torch.autograd.Function):
     """softmax(q k^T + bias) v over each query block's band of keys (see `Band`), chunk by
-    chunk, FlashAttention-style: the forward keeps each row's log-sum-exp, the backward
-    recomputes the chunk's probabilities (Dao et al. 2022), so no (T, L) tensor outlives a
-    chunk and nothing large is allocated (fresh pages cost as much as the matmuls here).
+    chunk, FlashAttention-style (Dao et al. 2022): the forward keeps only its output (and,
+    with an extra key, each row's log-sum-exp), the backward recomputes each chunk's
+    probabilities, so no (T, L) tensor outlives a chunk; chunks reuse the same buffers
+    (fresh pages cost as much as the matmuls here).
 
     q (G, T, D) already scaled; k, v (G, S, D); bias None (the window's mask only) or
     (1 or B, nb, Bq, L), masking included, shared by the heads of a batch row. Optionally
