@@ -18,6 +18,25 @@ _TIKTOKEN = ROOT.parent / "shared" / "tiktoken"
 if _TIKTOKEN.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
     os.environ["TIKTOKEN_CACHE_DIR"] = str(_TIKTOKEN)
 
+
+
+def _gpt2_available():
+    try:
+        import tiktoken
+
+        tiktoken.get_encoding("gpt2")
+        return True
+    except Exception:  # no ../shared/tiktoken and no network to download the BPE files
+        return False
+
+
+HAVE_GPT2 = _gpt2_available()
+requires_gpt2 = pytest.mark.skipif(
+    not HAVE_GPT2,
+    reason="needs GPT-2's BPE files: tiktoken downloads them (network) or finds them in "
+           "../shared/tiktoken beside the checkout; neither is available here",
+)
+
 CORPUS = ROOT.parent / "shared" / "corpus"
 requires_corpus = pytest.mark.skipif(
     not (CORPUS / "fineweb_legalpilot_train.jsonl").exists(),

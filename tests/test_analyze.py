@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import analyze
-from conftest import ENGLISH, ROOT
+from conftest import ENGLISH, ROOT, requires_gpt2
 from model import Model, ModelConfig
+
+# Shards are tokenized with GPT-2's BPE: without its files these tests cannot run.
+pytestmark = requires_gpt2
 
 # The tiny model on 32-token sequences, small windows so every variant's rule is exercised.
 TRAIN = ["--model=tiny", "--seq_len=32", "--batch_size=4", "--total_batch_tokens=128",

@@ -10,11 +10,14 @@ import pytest
 import tiktoken
 import torch
 
-from conftest import CORPUS, ENGLISH, ROOT, requires_corpus
+from conftest import CORPUS, ENGLISH, HAVE_GPT2, ROOT, requires_corpus, requires_gpt2
 import data
 from data import EOT, DistributedLoader, ShardError, ValLoader, load_shard, write_shard
 
-enc = tiktoken.get_encoding("gpt2")
+# Shards are tokenized with GPT-2's BPE: without its files these tests cannot run.
+pytestmark = requires_gpt2
+
+enc = tiktoken.get_encoding("gpt2") if HAVE_GPT2 else None
 
 
 def documents(n, seed=0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attention import VARIANTS, causal_mask, rope_cos_sin
+from conftest import requires_gpt2
 from model import PRESETS, Model, ModelConfig
 
 SMALL_VOCAB = 512  # enough for structural tests; learning tests use GPT-2's real vocabulary
@@ -177,6 +178,7 @@ def test_every_parameter_gets_gradient(attn):
     assert gate_params > 0 or attn in ("full", "local")
 
 
+@requires_gpt2
 @pytest.mark.parametrize("attn", list(VARIANTS))
 def test_init_loss_and_learns_a_batch(attn, english_text):
     """At init the loss on random tokens is ~ln(vocab); a few dozen AdamW steps on one batch

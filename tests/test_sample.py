@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import model as model_module
+from conftest import requires_gpt2
 import sample
 from model import Model, ModelConfig
 
@@ -97,6 +98,7 @@ def save_run(tmp_path, prefix="", seq_len=16, **kw):
     return m
 
 
+@requires_gpt2
 def test_command_line_generates_from_a_run_dir(tmp_path, capsys, english_text):
     m = save_run(tmp_path, attn="dsa", dsa_window="fixed")
     prompt = "The baker opens the shop"

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CORPUS, ENGLISH, ROOT, requires_corpus
+from conftest import CORPUS, ENGLISH, ROOT, requires_corpus, requires_gpt2
 import data
+
+# Shards are tokenized with GPT-2's BPE: without its files these tests cannot run.
+pytestmark = requires_gpt2
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # The tiny model (2 layers, d_model 64, 4 heads of 16) on 4 x 32-token micro-batches; a global
