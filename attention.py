@@ -330,7 +330,7 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         k_i = torch.ceil(torch.sqrt(q_pos.float() + 1)).long()  # (T,)
         order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
         rank = order.argsort(dim=-1)  # rank of each key within its query's row
-        return rank < k_i[:, None]
+        return (rank < k_i[:, None]) & causal  # & causal: never a future key, even if k_i > visible
 
     def attend(self, q, k, v, x, q_pos, k_pos):
         cfg = self.cfg
