@@ -153,7 +153,9 @@ class Model(nn.Module):
         """idx (B, T) token ids -> (logits (B, T, V) float32, mean cross-entropy or None).
         With `cache` (from `new_cache()`), idx continues the tokens already cached."""
         B, T = idx.shape
-        start = len(cache[0]) and int(cache[0].pos[-1]) + 1 if cache is not None else 0
+        start = 0  # position of idx[:, 0]: right after the last cached token, if any
+        if cache is not None and len(cache[0]):
+            start = int(cache[0].pos[-1]) + 1
         pos = torch.arange(start, start + T, device=idx.device)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(idx)
