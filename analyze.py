@@ -78,13 +78,6 @@ def _plt():
     return plt
 
 
-def _default_tiktoken_cache():
-    """Use the checked-out GPT-2 BPE files when they sit beside the repo (offline machines)."""
-    local = Path(__file__).resolve().parent.parent / "shared" / "tiktoken"
-    if local.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(local)
-
-
 # ----------------------------------------------------------------------------- runs
 
 def load_run(path):
@@ -394,7 +387,6 @@ def load_text_tokens(run, text_path, n_tokens):
                 if sum(map(len, docs)) > 8 * n_tokens:
                     break
             raw = "\n\n".join(docs)
-        _default_tiktoken_cache()
         import tiktoken
 
         tokens = tiktoken.get_encoding("gpt2").encode_ordinary(raw)[:n_tokens]
@@ -521,7 +513,7 @@ def checkpoint_figures(runs, args, out, figures, notes):
     """Gate by token category (per run) and attention maps (all runs, one figure), from the
     checkpoints, on one text for all runs: --text, else the first readable validation shard.
     Appends to figures and notes; returns {run: gate_by_category(...)}."""
-    from sample import CheckpointError, load_checkpoint
+    from model import CheckpointError, load_checkpoint
 
     models = {}
     for run in runs:
@@ -538,7 +530,6 @@ def checkpoint_figures(runs, args, out, figures, notes):
     if not models or tokens is None:
         notes.append(f"no gate-by-category or attention figures: {why_not}")
         return {}
-    _default_tiktoken_cache()
     import tiktoken
 
     enc = tiktoken.get_encoding("gpt2")

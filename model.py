@@ -8,6 +8,9 @@ weights), with the attention variant chosen by `ModelConfig.attn` (see attention
 `python model.py` prints the parameter count of every preset.
 """
 import math
+import os
+import pickle
+import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -185,6 +188,84 @@ class Model(nn.Module):
                 for stat, per_head in summary.items():
                     out.setdefault(name, {}).setdefault(stat, []).append(per_head)
         return out
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# One saver and one loader for every checkpoint: train.py writes and resumes with them,
+# sample.py, analyze.py and experiments/recall.py load models through them.
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and the problem."""
+
+
+def save_checkpoint(path, ckpt):
+    """Write `ckpt` (tensors, numbers, strings, None, lists, tuples and dicts only, so that
+    read_checkpoint can load it weights-only). Atomic: a temporary file in the same folder,
+    fsync, then a rename over the old one, so a kill at any moment leaves either the previous
+    checkpoint or the new one, never half of one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(path, device="cpu"):
+    """A run folder (holding ckpt.pt) or a checkpoint file -> the checkpoint dict.
+
+    Always weights-only (torch.load(weights_only=True)): unpickling may only build tensors
+    and plain containers, so a checkpoint from someone else cannot run code on this machine.
+    A file holding anything else is refused before any of it runs."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else str(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint (give a run folder holding ckpt.pt, "
+                              f"or the .pt file itself)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line for line in str(e).splitlines() if "GLOBAL" in line or "nsupported" in line]
+        reason = lines[0].strip() if lines else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"{path}: refused: it holds objects other than tensors, numbers, strings, lists and "
+            f"dicts ({reason}); checkpoints are loaded weights-only, so code inside one never "
+            f"runs. A file you got from elsewhere may be malicious: open it by hand only if you "
+            f"trust its source") from None
+    except Exception as e:  # a truncated file, not a torch file, ...
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise CheckpointError(f"{path}: not a train.py checkpoint (expected a dict with "
+                              f"'model' and 'model_config')")
+    return ckpt
+
+
+def load_checkpoint(path, device="cpu", kernel=None):
+    """A run folder or checkpoint file -> (Model in eval mode on `device`, checkpoint dict).
+
+    The model config travels in the checkpoint. `kernel` ('ref' | 'fused') overrides the
+    saved one (the weights are the same). Config keys this ModelConfig does not know (a
+    checkpoint from another version of this code) are dropped with a note."""
+    ckpt = read_checkpoint(path, device)
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else str(path)
+    known = {f.name for f in fields(ModelConfig)}
+    config = dict(ckpt["model_config"])
+    unknown = sorted(set(config) - known)
+    if unknown:
+        print(f"note: {path}: ignoring model_config keys this ModelConfig lacks: {unknown}", file=sys.stderr)
+    config = {k: v for k, v in config.items() if k in known}
+    if kernel is not None:
+        config["kernel"] = kernel
+    try:
+        model = Model(ModelConfig(**config))
+        model.load_state_dict(ckpt["model"])
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{path}: the checkpoint does not fit the model ({e})") from None
+    return model.to(device).eval(), ckpt
 
 
 if __name__ == "__main__":

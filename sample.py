@@ -12,13 +12,12 @@ two give the same tokens (tests/test_sample.py).
 
 A prompt longer than the model's training context (train_config's seq_len) keeps its last
 seq_len tokens, with a note. Generation itself may run past seq_len: every variant is defined
-at every length (SPEC.md), though a model has only been trained on contexts up to seq_len.
+at every length, though a model has only been trained on contexts up to seq_len.
 """
 import os
 import shlex
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 # Before torch loads OpenMP: idle threads sleep instead of spinning, which matters on a
@@ -27,96 +26,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from model import Model, ModelConfig
+from model import CheckpointError, load_checkpoint
 
 EOT = 50256  # GPT-2 <|endoftext|>: an empty prompt starts a new document, as in training
 
 
-def _default_tiktoken_cache():
-    """Use the checked-out GPT-2 BPE files when they sit beside the repo (offline machines);
-    anywhere else tiktoken downloads them itself."""
-    local = Path(__file__).resolve().parent.parent / "shared" / "tiktoken"
-    if local.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(local)
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message names the path and the problem."""
-
-
-# ----------------------------------------------------------------------------- loading
-
-def find_checkpoint(path):
-    """A run directory (holding ckpt.pt) or a checkpoint file -> the file's Path."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "ckpt.pt"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint (give a run directory holding "
-                              f"ckpt.pt, or the .pt file itself)")
-    return path
-
-
-def load_checkpoint(path, device="cpu", kernel=None):
-    """Load a checkpoint written by train.py -> (model in eval mode, ckpt dict).
-
-    Tolerant of what a run may add or wrap: state-dict keys prefixed by torch.compile
-    (`_orig_mod.`) or DDP (`module.`), config keys this version of ModelConfig does not know
-    (dropped, with a note), and a model_config missing from the checkpoint but present in
-    the run's config.json."""
-    path = find_checkpoint(path)
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:  # truncated file, not a torch file, ...
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise CheckpointError(f"{path}: not a train.py checkpoint (expected a dict with 'model')")
-    model_config = ckpt.get("model_config") or _config_json(path.parent).get("model")
-    if not model_config:
-        raise CheckpointError(f"{path}: no 'model_config' in the checkpoint and no config.json "
-                              f"beside it")
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(model_config) - known)
-    if unknown:
-        print(f"note: {path}: ignoring model_config keys this ModelConfig lacks: {unknown}",
-              file=sys.stderr)
-    model_config = {k: v for k, v in model_config.items() if k in known}
-    if kernel is not None:
-        model_config["kernel"] = kernel
-    try:
-        model = Model(ModelConfig(**model_config))
-        state = {_strip_prefixes(k): v for k, v in ckpt["model"].items()}
-        model.load_state_dict(state)
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise CheckpointError(f"{path}: checkpoint does not fit the model ({e})") from None
-    ckpt.setdefault("train_config", _config_json(path.parent).get("train", {}))
-    return model.to(device).eval(), ckpt
-
-
-def _strip_prefixes(key):
-    for prefix in ("_orig_mod.", "module."):
-        while key.startswith(prefix):
-            key = key[len(prefix):]
-    return key.replace("._orig_mod.", ".")
-
-
-def _config_json(run_dir):
-    """The run's config.json as a dict ({} when absent or unreadable)."""
-    import json
-
-    try:
-        return json.loads((Path(run_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def context_length(ckpt):
-    """The sequence length the model was trained on, or None when the checkpoint lacks it."""
-    train_config = ckpt.get("train_config") or {}
-    for key in ("seq_len", "block_size", "sequence_length", "T"):
-        if isinstance(train_config.get(key), int):
-            return train_config[key]
-    return None
+    """The sequence length the model was trained on (train_config's seq_len), or None."""
+    return (ckpt.get("train_config") or {}).get("seq_len")
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -208,7 +125,6 @@ def render_png(path, prompt, completion, caption):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    _default_tiktoken_cache()
     import tiktoken
 
     device = args["device"]

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attention import VARIANTS
 from data import DistributedLoader, ShardError, ValLoader
-from model import PRESETS, Model, ModelConfig
+from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint
 
 
 @dataclass
@@ -186,20 +186,27 @@ def make_optimizer(model, tc, device):
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
-def save_checkpoint(path, obj):
-    """Atomic: write a temporary file in the same folder, fsync, rename over the old one, so a
-    kill at any moment leaves either the previous checkpoint or the new one, never half."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
+def rng_state(device):
+    """Every random generator the run draws from, as tensors, ints, floats, lists and None, so
+    the checkpoint loads weights-only (model.read_checkpoint) and resume stays bit-exact."""
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()  # ('MT19937', (624,) uint32, ...)
+    version, internal, gauss_next = random.getstate()  # (3, 625 ints, float or None)
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
+
+
+def set_rng_state(state, device):
+    """The inverse of rng_state."""
+    torch.set_rng_state(state["torch"].cpu())
+    if device.startswith("cuda") and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
 def peak_memory_gb(device):
@@ -290,7 +297,10 @@ def main(argv=None):
     optimizer = make_optimizer(model, tc, device)
     step = 0  # optimizer steps completed
     if tc.resume:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own file (RNG states are not tensors)
+        try:
+            ckpt = read_checkpoint(ckpt_path, device)
+        except CheckpointError as e:
+            fail(str(e), code=1)
         changed = {k: (v, getattr(mc, k)) for k, v in ckpt["model_config"].items() if getattr(mc, k) != v}
         if changed:
             fail(f"the model config differs from the checkpoint's: {changed} (saved, now); resume with "
@@ -299,11 +309,7 @@ def main(argv=None):
         optimizer.load_state_dict(ckpt["optimizer"])
         loader.load_state_dict(ckpt["loader"])
         step = ckpt["step"]
-        torch.set_rng_state(ckpt["rng"]["torch"].cpu())
-        np.random.set_state(ckpt["rng"]["numpy"])
-        random.setstate(ckpt["rng"]["python"])
-        if device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu())
+        set_rng_state(ckpt["rng"], device)
         del ckpt
 
     gate_x = next(iter(val_loader))[0][: tc.gate_batch].to(device)  # (gate_batch, T), fixed
@@ -388,8 +394,7 @@ def main(argv=None):
                 "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
                 "loader": loader.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                        "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None}})
+                "rng": rng_state(device)})
 
     stop_signal = None
 

@@ -17,6 +17,7 @@ import torch
 
 from conftest import CORPUS, ENGLISH, ROOT, requires_corpus, requires_gpt2
 import data
+from model import read_checkpoint
 
 # Shards are tokenized with GPT-2's BPE: without its files these tests cannot run.
 pytestmark = requires_gpt2
@@ -52,7 +53,7 @@ def gates_of(out_dir):
 
 
 def load_ckpt(out_dir):
-    return torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
+    return read_checkpoint(out_dir)
 
 
 @pytest.fixture(scope="module")
