@@ -1,15 +1,23 @@
 """Train any attention variant on token shards, on one CPU or many GPUs.
 
-    python train.py --attn=dsa                                   # CPU default: tiny model
-    torchrun --nproc_per_node=8 train.py --preset=qwen-134m --attn=asga
-    python train.py --out_dir=out/run --resume=True              # continue a run
+    torchrun --nproc_per_node=8 train.py --attn=asga    # GPUs: the papers' 134M model on FineWeb
+    python train.py --attn=dsa                          # CPU: the tiny model in a few minutes
+    python train.py --attn=dsa --dry_run=True           # print the plan and exit
 
-Every TrainConfig and ModelConfig field is a `--key=value` override. The run folder
-(`out_dir`) holds config.json, log.jsonl (one JSON record per step, with gate statistics at
-each evaluation, read by analyze.py) and ckpt.pt. SIGTERM / Ctrl-C finish the current step,
-write a checkpoint of it and exit with 128 + the signal number (143 / 130), so schedulers
-see an interrupted run (torchrun then reports its own SignalException and exits 1); a second
-Ctrl-C on a single process abandons the step at once without a checkpoint.
+The device picks the defaults: on CUDA the `qwen-134m` preset (the papers' model, 1024-token
+sequences, ~0.5M-token global batch, bf16 autocast, torch.compile, data/fineweb10B), on CPU
+the `cpu` preset. `--preset=NAME` or any `--key=value` (every TrainConfig and ModelConfig
+field) overrides them. The global batch is fixed in tokens: any number of processes works,
+gradient accumulation makes up the rest. Rank 0 prints the plan before the first step.
+
+The run folder (`out_dir`) holds config.json, log.jsonl (one JSON record per step, with gate
+statistics at each evaluation, read by analyze.py) and ckpt.pt (loaded weights-only, see
+model.read_checkpoint). Continuing a run: `--resume=True` continues the run in out_dir,
+`--resume=auto` continues it when there is a checkpoint and starts one when there is none;
+a torchrun restart (`--max-restarts=N`) always resumes as `auto`. SIGTERM / Ctrl-C finish
+the current step, write a checkpoint of it and exit with 128 + the signal number (143 / 130),
+so schedulers see an interrupted run (torchrun then reports its own SignalException); a
+second Ctrl-C on a single process abandons the step at once without a checkpoint.
 """
 import ctypes
 import hashlib
@@ -23,11 +31,36 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
-# Before torch loads OpenMP: its threads otherwise spin while waiting, and on a CPU shared
-# with other processes (2-core dev machines, CI) that made training 10x slower (measured).
+# ----------------------------------------------------------------------------- this machine
+# Workarounds for the machine rather than the method, one line each on why.
+
+# Set before torch loads OpenMP: idle threads sleep instead of spinning; on a CPU shared with
+# other processes (2-core machines, CI, torchrun ranks) spinning made training 10x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def keep_freed_memory():
+    """CPU with glibc: keep freed blocks in the heap. Each step frees and re-allocates the
+    (B*T, vocab) logits and their gradient (200 MB each at the CPU default); glibc returned
+    them to the OS and faulting them in again cost half of each step (1.5k -> 2.5k tok/s
+    measured, peak RSS 1.3 -> 2.0 GB)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to tune
+        return
+    libc.mallopt(-3, 2**30)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
+
+
+def peak_memory_gb(device):
+    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak RSS."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
 
 import numpy as np
 import torch
@@ -35,14 +68,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import data
 from attention import VARIANTS
-from data import DistributedLoader, ShardError, ValLoader
 from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint
+
+# ----------------------------------------------------------------------------- configuration
 
 
 @dataclass
 class TrainConfig:
-    preset: str = "cpu"  # a name in TRAIN_PRESETS; its values are the defaults of this run
+    preset: str = "cpu"  # a name in TRAIN_PRESETS (default: chosen by the device, DEVICE_PRESETS)
     model: str = "tiny"  # size preset in model.PRESETS; single model fields override it
     data_dir: str = "data/fineweb"
     out_dir: str = "out/run"
@@ -64,105 +99,288 @@ class TrainConfig:
     gate_batch: int = 4  # val sequences the gate statistics are collected on
     target_loss: float = 0.0  # log the first step whose val loss is <= this (0: off)
     ckpt_every: int = 200
-    resume: bool = False
+    resume: str = "false"  # false | true | auto (auto: continue if out_dir has a checkpoint)
     device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | bfloat16 | float32: the autocast dtype; weights stay float32
     compile: bool = False  # torch.compile the model (worth it on GPU)
+    dry_run: bool = False  # print the plan and exit (needs neither a GPU nor data)
 
 
-# Named setups. The papers' presets (002-004) run the seeds' 134M model on GPUs. The seeds
-# give lr, decay and accumulation but not the context length or the global batch in tokens,
-# so those below are our choices: 002's 32768-token sequences are replaced by 2048
-# (32 sequences x 2048 x 16 accumulation = 1M tokens per step on 8 GPUs), 003's "batch
-# size 32" is 32 sequences of 1024, 004's "batch size 512" is 512 sequences of 1024.
+# Named setups; a preset's values replace the TrainConfig defaults above.
+# What the papers state, and what is this project's choice:
+#  - 002 (dsa adaptive) states batch size 32, sequence length 32768, lr 3e-4, weight decay
+#    0.1, gradient accumulation 16 and 399 steps. We train on 2048-token sequences (32768
+#    does not fit a 134M model's activations in memory here), so its step is 32 x 2048 x 16
+#    = 1M tokens; warm-up and schedule are ours.
+#  - 003 (asga) states batch size 32, lr 6e-4 with cosine decay and 50,000 steps. The
+#    sequence length (1024), warm-up, betas, weight decay and clipping are ours.
+#  - 004 (caa) states batch size 512 (with gradient accumulation), AdamW with lr 3e-4,
+#    beta1 0.9, beta2 0.98. The sequence length (1024), 5000 steps, warm-up, schedule,
+#    weight decay and clipping are ours.
+#  - qwen-134m, the GPU default, is ours: the papers' model at 1024 tokens, a global batch of
+#    2^19 tokens (as nanoGPT's GPT-2 runs), 5000 steps = 2.6B tokens, about 20 tokens per
+#    parameter (the compute-optimal ratio of Hoffmann et al., 2022).
+#  - cpu is ours: the tiny model in a few minutes on 2 cores.
+# Every preset not stating them uses the defaults above: warm-up then cosine to 0.1 x lr,
+# AdamW betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.
 TRAIN_PRESETS = {
     "cpu": {},  # the dataclass defaults: the tiny model in a few minutes on 2 cores
-    "qwen-134m": dict(model="qwen-134m", seq_len=1024, batch_size=16, total_batch_tokens=2**19,
-                      lr=6e-4, warmup_steps=200, max_steps=10000, eval_every=250,
-                      val_tokens=2**20, ckpt_every=1000, compile=True),
-    "002": dict(model="qwen-134m", seq_len=2048, batch_size=4, total_batch_tokens=32 * 2048 * 16,
-                lr=3e-4, weight_decay=0.1, max_steps=399, warmup_steps=40, eval_every=50,
-                val_tokens=2**20, ckpt_every=100, compile=True),
-    "003": dict(model="qwen-134m", seq_len=1024, batch_size=4, total_batch_tokens=32 * 1024,
-                lr=6e-4, max_steps=50000, warmup_steps=1000, eval_every=1000,
-                val_tokens=2**20, ckpt_every=2000, compile=True),
-    "004": dict(model="qwen-134m", seq_len=1024, batch_size=16, total_batch_tokens=512 * 1024,
-                lr=3e-4, beta2=0.98, max_steps=5000, warmup_steps=250, eval_every=250,
-                val_tokens=2**20, ckpt_every=500, compile=True),
+    "qwen-134m": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
+                      total_batch_tokens=2**19, lr=6e-4, warmup_steps=200, max_steps=5000,
+                      eval_every=250, val_tokens=2**20, ckpt_every=500, compile=True),
+    "002": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=2048, batch_size=4,
+                total_batch_tokens=32 * 2048 * 16, lr=3e-4, weight_decay=0.1, max_steps=399,
+                warmup_steps=40, eval_every=50, val_tokens=2**20, ckpt_every=100, compile=True),
+    "003": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=4,
+                total_batch_tokens=32 * 1024, lr=6e-4, max_steps=50000, warmup_steps=1000,
+                eval_every=1000, val_tokens=2**20, ckpt_every=2000, compile=True),
+    "004": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
+                total_batch_tokens=512 * 1024, lr=3e-4, beta2=0.98, max_steps=5000,
+                warmup_steps=250, eval_every=250, val_tokens=2**20, ckpt_every=500, compile=True),
 }
-TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
-MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
+DEVICE_PRESETS = {"cuda": "qwen-134m", "cpu": "cpu"}  # the preset a run gets without --preset
+TRAIN_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
+SHARD_TOKENS = 100_000_000  # tokens in one train shard of `data.py --source=fineweb-gpt2`
 
+
+# ----------------------------------------------------------------------------- command line
+# One `--key=value` parser for train.py, sample.py and analyze.py. It lives here, not in
+# model.py, because it is about running scripts rather than the model; sample.py and
+# analyze.py import it from train.py (train.py imports neither, so there is no cycle).
 
 def fail(msg, code=2):
-    print(f"error: {msg}", file=sys.stderr)
+    """Print `error: msg` and exit. Under torchrun every rank meets the same configuration,
+    data and checkpoint problems at the same point, so only rank 0 prints; the others wait a
+    moment before exiting, so that rank 0's message is out before torchrun stops the group."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2)
     sys.exit(code)
 
 
-def convert(key, raw, field):
-    """A command-line string -> the field's type; bools accept True/False/true/false/1/0."""
-    kind = field.type if isinstance(field.type, type) else type(field.default)
+def convert(key, raw, default, choices=None):
+    """A command-line string -> the default's type. Bools accept True/False/true/false/1/0,
+    ints accept 1e6 and 1_000_000, `choices` lists the valid (lower-case) strings."""
+    kind = type(default)
     try:
+        if choices:
+            value = {"1": "true", "0": "false"}.get(raw.lower(), raw.lower())
+            if value not in choices:
+                raise ValueError
+            return value
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return raw.lower() in ("true", "1")
         if kind is int:
-            value = float(raw.replace("_", ""))  # accept 1e6 and 1_000_000 too
+            value = float(raw.replace("_", ""))
             if not value.is_integer():
                 raise ValueError
             return int(value)
         return kind(raw)
     except ValueError:
-        fail(f"--{key}={raw}: expected {kind.__name__}" + (" (True/False/1/0)" if kind is bool else ""))
+        expected = " | ".join(choices) if choices else kind.__name__ + (" (True/False/1/0)" if kind is bool else "")
+        fail(f"--{key}={raw}: expected {expected}")
+
+
+def parse_flags(argv, groups, program, positional=False, choices=None, doc=""):
+    """`--key=value` strings -> ({key: typed value} for the keys given, [other arguments]).
+
+    groups: {"training keys": {key: default}, ...}; a value takes its default's type. A bare
+    `--key` means True for a bool key (and "true" for a key whose choices include it).
+    Arguments without `--` are returned when `positional`, refused otherwise."""
+    choices = choices or {}
+    defaults = {k: v for group in groups.values() for k, v in group.items()}
+    if "-h" in argv or "--help" in argv:
+        print(doc + "".join(f"\n{name}: {', '.join(keys)}" for name, keys in groups.items()))
+        sys.exit(0)
+    given, rest = {}, []
+    for arg in argv:
+        if not arg.startswith("--"):
+            if not positional:
+                fail(f"{program}: unexpected argument {arg!r}; use --key=value")
+            rest.append(arg)
+            continue
+        key, eq, raw = arg[2:].partition("=")
+        if key not in defaults:
+            fail(f"{program}: unknown config key --{key}" + "".join(
+                f"\n  valid {name}: {', '.join(keys)}" for name, keys in groups.items()))
+        if not eq:
+            if type(defaults[key]) is not bool and "true" not in choices.get(key, ()):
+                fail(f"{program}: --{key} needs a value; use --{key}=VALUE")
+            raw = "true"
+        given[key] = convert(key, raw, defaults[key], choices.get(key))
+    return given, rest
+
+
+def resolve_device(name):
+    """auto -> cuda when a GPU is visible, else cpu; cuda -> cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if name == "cuda" else name
 
 
 def parse_args(argv):
-    """--key=value strings -> (TrainConfig, ModelConfig): preset, then the overrides."""
-    if "-h" in argv or "--help" in argv:
-        print(f"{__doc__}\ntraining keys: {', '.join(TRAIN_FIELDS)}\nmodel keys: {', '.join(MODEL_FIELDS)}"
-              f"\npresets: {', '.join(TRAIN_PRESETS)}; model sizes: {', '.join(PRESETS)}; --attn: {', '.join(VARIANTS)}")
-        sys.exit(0)
-    overrides = {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            fail(f"unexpected argument {arg!r}; use --key=value")
-        key, eq, raw = arg[2:].partition("=")
-        if not eq:  # a bare --flag means True for bool fields
-            field = TRAIN_FIELDS.get(key) or MODEL_FIELDS.get(key)
-            if field is None or field.type is not bool:
-                fail(f"--{key} needs a value; use --{key}=VALUE")
-            raw = "True"
-        overrides[key] = raw
-    preset = overrides.pop("preset", "cpu")
+    """--key=value strings -> (TrainConfig, ModelConfig, the keys typed on the command line).
+
+    The preset is --preset, else the device's (DEVICE_PRESETS); its values replace the
+    TrainConfig defaults, and typed keys replace those."""
+    given, _ = parse_flags(argv, {"training keys": TRAIN_DEFAULTS, "model keys": MODEL_DEFAULTS},
+                           "train.py", choices={"resume": ("false", "true", "auto")},
+                           doc=__doc__ + f"\npresets: {', '.join(TRAIN_PRESETS)}; model sizes: "
+                           f"{', '.join(PRESETS)}; --attn: {', '.join(VARIANTS)}")
+    device = given.get("device", "auto")
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        fail(f"unknown --device={device}; valid: auto, cpu, cuda")
+    preset = given.get("preset") or DEVICE_PRESETS[resolve_device(device).split(":")[0]]
     if preset not in TRAIN_PRESETS:
         fail(f"unknown --preset={preset}; valid presets: {', '.join(TRAIN_PRESETS)}")
-    train, model = {"preset": preset}, {}
-    for key, value in TRAIN_PRESETS[preset].items():
-        (train if key in TRAIN_FIELDS else model)[key] = value
-    for key, raw in overrides.items():
-        if key in TRAIN_FIELDS:
-            train[key] = convert(key, raw, TRAIN_FIELDS[key])
-        elif key in MODEL_FIELDS:
-            model[key] = convert(key, raw, MODEL_FIELDS[key])
-        else:
-            fail(f"unknown config key --{key}\n  valid training keys: {', '.join(TRAIN_FIELDS)}"
-                 f"\n  valid model keys: {', '.join(MODEL_FIELDS)}")
-    tc = TrainConfig(**train)
+    train = {**TRAIN_PRESETS[preset], "preset": preset}
+    train.update({k: v for k, v in given.items() if k in TRAIN_DEFAULTS})
+    tc = TrainConfig(**{k: v for k, v in train.items() if k in TRAIN_DEFAULTS})
     if tc.model not in PRESETS:
         fail(f"unknown --model={tc.model}; valid model presets: {', '.join(PRESETS)}")
-    if model.get("attn", "full") not in VARIANTS:
-        fail(f"unknown --attn={model['attn']}; valid attention variants: {', '.join(VARIANTS)}")
-    if tc.device not in ("auto", "cpu", "cuda") and not tc.device.startswith("cuda:"):
-        fail(f"unknown --device={tc.device}; valid: auto, cpu, cuda")
+    if tc.dtype not in ("auto", "bfloat16", "float32"):
+        fail(f"unknown --dtype={tc.dtype}; valid: auto, bfloat16, float32")
     for key in ("max_steps", "seq_len", "batch_size", "eval_every", "ckpt_every", "total_batch_tokens"):
         if getattr(tc, key) < 1:
             fail(f"--{key}={getattr(tc, key)}: must be at least 1")
+    model_keys = {k: v for k, v in given.items() if k in MODEL_DEFAULTS}
+    model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
+    return tc, model_config(tc, model_keys), set(given)
+
+
+def model_config(tc, overrides):
+    """The ModelConfig of this run: the size preset tc.model, then single-field overrides."""
+    if overrides.get("attn", "full") not in VARIANTS:
+        fail(f"unknown --attn={overrides['attn']}; valid attention variants: {', '.join(VARIANTS)}")
     try:
-        mc = ModelConfig(**{**PRESETS[tc.model], **model})
+        return ModelConfig(**{**PRESETS[tc.model], **overrides})
     except ValueError as e:
         fail(str(e))
-    return tc, mc
 
+
+# ----------------------------------------------------------------------------- set-up
+
+def set_up(tc):
+    """Processes, device, seeds and precision -> a dict describing this process's run.
+    torchrun sets RANK / LOCAL_RANK / WORLD_SIZE; a dry run joins no process group and
+    touches no GPU, so `--device=cuda --dry_run=True` works anywhere."""
+    ddp = "RANK" in os.environ
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(tc.device)
+    cuda = device.startswith("cuda")
+    dtype = tc.dtype if tc.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    if not tc.dry_run:
+        if cuda:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            if torch.cuda.device_count() < local_world:
+                fail(f"{local_world} processes per node need {local_world} GPUs, but "
+                     f"{torch.cuda.device_count()} are visible; lower --nproc_per_node"
+                     + ("" if torch.cuda.device_count() else " or pass --device=cpu"))
+            torch.cuda.set_device(device)
+            # float32 matmuls outside autocast (and master-weight maths) may use TF32 tensor cores
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        else:
+            keep_freed_memory()
+        if ddp:
+            dist.init_process_group(backend="nccl" if cuda else "gloo")
+    torch.manual_seed(tc.seed)
+    np.random.seed(tc.seed)
+    random.seed(tc.seed)
+    # Autocast runs the matmuls in bf16 while the weights, gradients and AdamW state stay
+    # float32. CPU runs default to float32: exact and reproducible for tests and laptops.
+    autocast = (torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
+                if dtype == "bfloat16" and not tc.dry_run else nullcontext())
+    return dict(ddp=ddp, rank=rank, world=world, master=rank == 0, device=device, dtype=dtype,
+                autocast=autocast)
+
+
+def fit_batch(tc, world, typed):
+    """The global batch of tc.total_batch_tokens -> (tc, gradient accumulation, note).
+
+    It must be a whole number of micro-batches (batch_size x seq_len x world tokens). When the
+    defaults do not divide for this world size, keep the global batch and lower batch_size
+    (to no less than half), else move total_batch_tokens to its nearest valid value, and say
+    so; values typed on the command line are never changed: they get an error instead."""
+    micro = tc.batch_size * tc.seq_len * world
+    if tc.total_batch_tokens % micro == 0:
+        return tc, tc.total_batch_tokens // micro, None
+    if "batch_size" not in typed:
+        for b in range(tc.batch_size - 1, (tc.batch_size + 1) // 2 - 1, -1):
+            if tc.total_batch_tokens % (b * tc.seq_len * world) == 0:
+                accum = tc.total_batch_tokens // (b * tc.seq_len * world)
+                return (replace(tc, batch_size=b), accum,
+                        f"batch_size {tc.batch_size} -> {b}, so that {world} processes split "
+                        f"the global batch of {tc.total_batch_tokens:,} tokens evenly")
+    if "total_batch_tokens" not in typed:
+        n = max(1, round(tc.total_batch_tokens / micro))
+        return (replace(tc, total_batch_tokens=n * micro), n,
+                f"total_batch_tokens {tc.total_batch_tokens:,} -> {n * micro:,}, the nearest "
+                f"multiple of batch_size x seq_len x world_size = {tc.batch_size} x {tc.seq_len} x {world}")
+    fail(f"total_batch_tokens={tc.total_batch_tokens} is not divisible by batch_size * seq_len * "
+         f"world_size = {tc.batch_size} * {tc.seq_len} * {world} = {micro}; choose "
+         f"--total_batch_tokens as a multiple of {micro} or change --batch_size")
+
+
+# ----------------------------------------------------------------------------- plan
+
+def attention_path_line(mc, device):
+    """Which attention code runs, in one line. (To be replaced by attention.py's own
+    description of the kernel path when it has one.)"""
+    return f"{mc.attn}, {mc.kernel} kernels ({'kernels.py' if mc.kernel == 'fused' else 'attention.py as written'}) on {device}"
+
+
+def train_tokens_found(data_dir):
+    """(train tokens in data_dir's shards, None) or (None, why there are none); reads only
+    the shard headers."""
+    try:
+        return sum(len(data.load_shard(p)) for p in data.find_shards(data_dir, "train")), None
+    except data.ShardError as e:
+        return None, str(e)
+
+
+def print_plan(tc, mc, run, accum, resuming):
+    """The run's plan, printed once (rank 0) before the first step, with the data budget."""
+    with torch.device("meta"):  # the parameter count without allocating the weights
+        n_params = Model(mc).num_params()
+    planned = tc.max_steps * tc.total_batch_tokens
+    found, problem = train_tokens_found(tc.data_dir)
+    shards = math.ceil(planned / SHARD_TOKENS)
+    make = f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={shards}"
+    if found is None:
+        data_line = f"no shards found at {tc.data_dir}" + (f" ({problem})" if "does not exist" not in problem else "")
+    else:
+        data_line = f"{found:,} training tokens found in {tc.data_dir}: {planned / found:.2f} epochs"
+    precision = ("bfloat16 autocast, float32 master weights" if run["dtype"] == "bfloat16" else "float32")
+    if run["device"].startswith("cuda"):
+        precision += ", TF32 matmuls"
+    lines = [
+        f"device      {run['device']} x {run['world']} process(es)" + (" (dry run)" if tc.dry_run else ""),
+        f"precision   {precision}",
+        f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
+        f"attention   {attention_path_line(mc, run['device'])}",
+        f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
+        f"x {run['world']} process(es) x {accum} accumulation",
+        f"steps       {tc.max_steps:,}" + (f" (this job stops after {tc.stop_step:,})" if tc.stop_step else "")
+        + f", lr {tc.lr:g}, warm-up {tc.warmup_steps}, cosine to {tc.min_lr_frac:g} x lr",
+        f"tokens      {planned:,} planned; {data_line}",
+        f"compile     {'on' if tc.compile else 'off'}",
+        f"run folder  {tc.out_dir} ({'resuming' if resuming else 'new run'})",
+    ]
+    print("plan\n  " + "\n  ".join(lines), flush=True)
+    if found is None:
+        print(f"warning: no shards found at {tc.data_dir}; this run needs {planned:,} tokens: {make}", flush=True)
+    elif planned > found:
+        print(f"warning: the run plans {planned:,} tokens but {tc.data_dir} holds {found:,} "
+              f"training tokens, so it repeats the data ({planned / found:.2f} epochs); to see "
+              f"each token once: {make}", flush=True)
+
+
+# ----------------------------------------------------------------------------- optimisation
 
 def lr_at(step, tc):
     """Linear warm-up to lr over warmup_steps, then cosine down to lr * min_lr_frac."""
@@ -173,7 +391,7 @@ def lr_at(step, tc):
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - min_lr)
 
 
-def make_optimizer(model, tc, device):
+def make_optimizer(model, tc):
     """AdamW; weight decay only on matrices. Norm weights, biases and gains (all 1-D) and the
     embedding (also the tied head) are not decayed, as in nanoGPT / GPT-3. The fused kernel
     exists on CPU too and is ~8x faster there than the default for-each one."""
@@ -185,6 +403,8 @@ def make_optimizer(model, tc, device):
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
+
+# ----------------------------------------------------------------------------- checkpoints and resume
 
 def rng_state(device):
     """Every random generator the run draws from, as tensors, ints, floats, lists and None, so
@@ -209,26 +429,86 @@ def set_rng_state(state, device):
     random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
-def peak_memory_gb(device):
-    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak RSS (getrusage)."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+def resuming(tc, ckpt_path):
+    """Whether this job continues the run in out_dir (True) or starts a new one (False).
+
+    --resume=false refuses a folder that already holds a run, --resume=true a folder that
+    holds none, --resume=auto takes whichever applies. A torchrun restart (the group was
+    restarted after a worker died) resumes as auto, whatever the command line says."""
+    mode, exists = tc.resume, os.path.exists(ckpt_path)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        mode = "auto"
+    if mode == "false" and exists:
+        fail(f"{tc.out_dir} already holds a run (ckpt.pt); pass --resume=True to continue it, "
+             f"or choose another --out_dir")
+    if mode == "true" and not exists:
+        fail(f"--resume=True but {ckpt_path} does not exist; drop --resume (or use --resume=auto) "
+             f"to start a new run")
+    return exists
 
 
-def keep_freed_memory():
-    """CPU, Linux/glibc: every step frees and re-allocates the (B*T, vocab) logits and their
-    gradient (200 MB each at the CPU default). glibc returns blocks that big to the OS on
-    free, and faulting them in again cost half of each step in the kernel; raising the mmap
-    and trim thresholds keeps them in the heap (1.5k -> 2.5k tok/s measured, peak RSS
-    1.3 -> 2.0 GB)."""
+def resume(ckpt_path, mc, raw_model, optimizer, loader, device):
+    """Load the checkpoint's weights, optimizer, data position and RNG states -> its step."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to tune
-        return
-    libc.mallopt(-3, 2**30)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
+        ckpt = read_checkpoint(ckpt_path, device)
+    except CheckpointError as e:
+        fail(str(e), code=1)
+    changed = {k: (v, getattr(mc, k, None)) for k, v in ckpt["model_config"].items() if getattr(mc, k, None) != v}
+    if changed:
+        fail(f"the model config differs from the checkpoint's: {changed} (saved, now); resume with "
+             f"the same model settings as the run in {os.path.dirname(ckpt_path)}")
+    raw_model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    try:
+        loader.load_state_dict(ckpt["loader"])
+    except data.ShardError as e:
+        fail(str(e), code=1)
+    set_rng_state(ckpt["rng"], device)
+    return ckpt["step"]
+
+
+def save(ckpt_path, step, raw_model, optimizer, loader, tc, mc, device):
+    save_checkpoint(ckpt_path, {
+        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+        "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
+        "loader": loader.state_dict(), "rng": rng_state(device)})
+
+
+# ----------------------------------------------------------------------------- log
+
+class RunLog:
+    """config.json and log.jsonl in the run folder, written by rank 0 only (other ranks get a
+    RunLog that writes nothing). On resume, records of steps after the checkpoint's (lost
+    when the job died) are dropped, and `lost` says how many steps that was."""
+
+    def __init__(self, out_dir, master, run_info, step, resumed):
+        self.master, self.lost, self.file = master, 0, None
+        if not master:
+            return
+        path = os.path.join(out_dir, "log.jsonl")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(run_info, f, indent=1)
+        kept, last = [], step
+        if resumed and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short by a SIGKILL
+                        continue
+                    last = max(last, record.get("step", 0) if "loss" in record else 0)
+                    if record.get("step", 0) <= step:
+                        kept.append(line)
+        self.lost = last - step
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
+
+    def write(self, record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
 
 
 def git_commit():
@@ -249,152 +529,100 @@ def param_hash(model):
     return h.hexdigest()
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(model, raw_model, val_loader, gate_x, run):
+    """Mean val loss over the fixed val tokens (all ranks), plus gate stats on rank 0."""
+    device = run["device"]
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in val_loader:
+        with run["autocast"]:
+            total += model(x.to(device), y.to(device))[1].float()
+    total /= len(val_loader)
+    if run["ddp"]:
+        dist.all_reduce(total)  # gloo has no AVG: sum, then divide
+        total /= run["world"]
+    gates = {}
+    if run["master"]:
+        raw_model.record_gates(True)
+        with run["autocast"]:
+            raw_model(gate_x)
+        gates = raw_model.gate_stats()
+        raw_model.record_gates(False)
+    model.train()
+    return total.item(), gates
+
+
+# ----------------------------------------------------------------------------- main
+
 def main(argv=None):
-    tc, mc = parse_args(sys.argv[1:] if argv is None else argv)
-
-    # -- processes and device: torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-    ddp = "RANK" in os.environ
-    rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
-    if ddp:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    master = rank == 0
+    # -- set-up: configuration, processes, device, batch
+    tc, mc, typed = parse_args(sys.argv[1:] if argv is None else argv)
+    run = set_up(tc)
+    device, master, ddp, world = run["device"], run["master"], run["ddp"], run["world"]
     log = print if master else (lambda *a, **k: None)
-    torch.manual_seed(tc.seed)
-    np.random.seed(tc.seed)
-    random.seed(tc.seed)
-    # bf16 autocast on GPU only: CPU runs (tests, laptops) stay float32 and reproducible.
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    tc, accum, note = fit_batch(tc, world, typed)
+    ckpt_path = os.path.join(tc.out_dir, "ckpt.pt")
+    resumed = resuming(tc, ckpt_path)
 
-    micro_tokens = tc.batch_size * tc.seq_len * world
-    if tc.total_batch_tokens % micro_tokens:
-        fail(f"total_batch_tokens={tc.total_batch_tokens} is not divisible by batch_size * seq_len * "
-             f"world_size = {tc.batch_size} * {tc.seq_len} * {world} = {micro_tokens}; choose "
-             f"--total_batch_tokens as a multiple of {micro_tokens} or change --batch_size")
-    accum = tc.total_batch_tokens // micro_tokens
+    # -- plan: printed once, before anything is loaded; a dry run stops here
+    if master:
+        print_plan(tc, mc, run, accum, resumed)
+        if note:
+            log(f"note: {note}")
+    if tc.dry_run:
+        return
+
+    # -- data, model, optimizer; resume
     try:
-        loader = DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, rank, world, tc.seed)
-        val_loader = ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, rank, world)
-    except ShardError as e:
+        loader = data.DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, run["rank"], world, tc.seed)
+        val_loader = data.ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, run["rank"], world)
+    except data.ShardError as e:
         fail(str(e), code=1)
-
     os.makedirs(tc.out_dir, exist_ok=True)
-    ckpt_path, log_path = os.path.join(tc.out_dir, "ckpt.pt"), os.path.join(tc.out_dir, "log.jsonl")
-    if not tc.resume and os.path.exists(ckpt_path):
-        fail(f"{tc.out_dir} already holds a run (ckpt.pt); pass --resume=True to continue it, "
-             f"or choose another --out_dir")
-    if tc.resume and not os.path.exists(ckpt_path):
-        fail(f"--resume=True but {ckpt_path} does not exist; drop --resume to start a new run")
-
-    model = Model(mc).to(device)
-    raw_model = model  # the unwrapped, uncompiled module: its state dict goes in checkpoints
-    optimizer = make_optimizer(model, tc, device)
-    step = 0  # optimizer steps completed
-    if tc.resume:
-        try:
-            ckpt = read_checkpoint(ckpt_path, device)
-        except CheckpointError as e:
-            fail(str(e), code=1)
-        changed = {k: (v, getattr(mc, k)) for k, v in ckpt["model_config"].items() if getattr(mc, k) != v}
-        if changed:
-            fail(f"the model config differs from the checkpoint's: {changed} (saved, now); resume with "
-                 f"the same model settings as the run in {tc.out_dir}")
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        loader.load_state_dict(ckpt["loader"])
-        step = ckpt["step"]
-        set_rng_state(ckpt["rng"], device)
-        del ckpt
-
+    raw_model = Model(mc).to(device)  # unwrapped and uncompiled: its state dict goes in checkpoints
+    optimizer = make_optimizer(raw_model, tc)
+    step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
     gate_x = next(iter(val_loader))[0][: tc.gate_batch].to(device)  # (gate_batch, T), fixed
-    if ddp:
-        # DDP needs to know about parameters that get no gradient (e.g. a variant's ablated
-        # gate); probe once on the raw model instead of paying find_unused every step.
-        raw_model(gate_x[:1])[0].sum().backward()
-        unused = any(p.grad is None for p in raw_model.parameters())
-        raw_model.zero_grad(set_to_none=True)
+    model = raw_model
     if tc.compile:
         model = torch.compile(model)
     if ddp:
-        model = DDP(model, device_ids=[local_rank] if device.startswith("cuda") else None,
-                    find_unused_parameters=unused)
+        # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
+        # once on the raw model rather than pay find_unused_parameters's search every step.
+        raw_model(gate_x[:1])[0].sum().backward()
+        unused = any(p.grad is None for p in raw_model.parameters())
+        raw_model.zero_grad(set_to_none=True)
+        model = DDP(model, device_ids=[torch.device(device)] if device.startswith("cuda") else None, find_unused_parameters=unused)
     eval_model = model.module if ddp else model
 
-    run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device,
+    run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
                 "world_size": world, "grad_accum": accum, "num_params": raw_model.num_params(),
                 "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
                 "train": asdict(tc), "model": asdict(mc)}
-    if master:
-        log(json.dumps(run_info, indent=1))
-        log(f"{raw_model.num_params() / 1e6:.2f}M parameters | grad accumulation {accum} | {world} process(es) on {device}")
-        with open(os.path.join(tc.out_dir, "config.json"), "w") as f:
-            json.dump(run_info, f, indent=1)
-        records = []
-        if tc.resume and os.path.exists(log_path):  # drop records of steps the checkpoint does not hold
-            with open(log_path) as f:
-                for line in f:
-                    try:
-                        if json.loads(line).get("step", 0) <= step:
-                            records.append(line)
-                    except json.JSONDecodeError:  # a line cut short by a SIGKILL
-                        pass
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(records)
-        os.replace(log_path + ".tmp", log_path)
-    logfile = open(log_path, "a") if master else None
+    runlog = RunLog(tc.out_dir, master, run_info, step, resumed)
+    runlog.write({"event": "resume" if resumed else "start", "step": step, "time": time.time(), **run_info})
+    if resumed:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        log(f"{f'torchrun restart {restart}: ' if restart else ''}resumed from step {step}; "
+            f"lost {runlog.lost} step(s) run after that checkpoint")
+        runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
 
-    def write_log(record):
-        if master:
-            logfile.write(json.dumps(record) + "\n")
-            logfile.flush()
-
-    write_log({"event": "resume" if tc.resume else "start", "step": step, "time": time.time(), **run_info})
-
-    @torch.no_grad()
-    def evaluate():
-        """Mean val loss over the fixed val tokens (all ranks), plus gate stats on rank 0."""
-        eval_model.eval()
-        total = torch.zeros((), device=device)
-        for x, y in val_loader:
-            with autocast:
-                total += eval_model(x.to(device), y.to(device))[1].float()
-        total /= len(val_loader)
-        if ddp:
-            dist.all_reduce(total)  # gloo has no AVG: sum, then divide
-            total /= world
-        gates = {}
-        if master:
-            raw_model.eval()
-            raw_model.record_gates(True)
-            with autocast:
-                raw_model(gate_x)
-            gates = raw_model.gate_stats()
-            raw_model.record_gates(False)
-        eval_model.train()
-        return total.item(), gates
-
-    def diverged(problem, at_step):
-        write_log({"event": "non_finite", "step": at_step, "problem": problem})
-        fail(f"{problem}; stopping without a checkpoint, so {ckpt_path} still holds the last good "
-             f"step; lower --lr or raise --warmup_steps, then continue with --resume=True", code=1)
-
+    # -- checkpoint, stopping
     def checkpoint():
         # A finite loss can still be followed by an update that overflows the weights; never
         # replace a good checkpoint with those (checked on every rank: the weights are equal).
         if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
             diverged(f"non-finite weights after step {step}", step)
         if master:
-            save_checkpoint(ckpt_path, {
-                "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
-                "loader": loader.state_dict(),
-                "rng": rng_state(device)})
+            save(ckpt_path, step, raw_model, optimizer, loader, tc, mc, device)
+
+    def diverged(problem, at_step):
+        runlog.write({"event": "non_finite", "step": at_step, "problem": problem})
+        fail(f"{problem}; stopping without a checkpoint, so {ckpt_path} still holds the last good "
+             f"step; lower --lr or raise --warmup_steps, then continue with --resume=True", code=1)
 
     stop_signal = None
 
@@ -410,12 +638,13 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    # -- the loop
     target_step = None
     last_step = min(tc.max_steps, tc.stop_step or tc.max_steps)
     if step == 0:
-        val, gates = evaluate()
+        val, gates = evaluate(eval_model, raw_model, val_loader, gate_x, run)
         log(f"step 0/{tc.max_steps} | val {val:.4f}")
-        write_log({"step": 0, "val": val, "gates": gates})
+        runlog.write({"step": 0, "val": val, "gates": gates})
     while step < last_step:
         t0 = time.time()
         lr = lr_at(step, tc)
@@ -425,53 +654,53 @@ def main(argv=None):
         for micro in range(accum):
             x, y = loader.next_batch()  # (B, T) each, this rank's slice of the global batch
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # Gradients are all-reduced only on the last micro-step.
-            with model.no_sync() if ddp and micro < accum - 1 else nullcontext():
-                with autocast:
+            with model.no_sync() if ddp and micro < accum - 1 else nullcontext():  # all-reduce on the last only
+                with run["autocast"]:
                     _, loss = model(x, y)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
-        # One all-reduce carries the loss and any stop request, so every rank takes the
-        # same decision (a rank leaving alone would hang the others).
+        # One all-reduce carries the loss and any stop request, so every rank takes the same
+        # decision (a rank leaving alone would hang the others).
         stats = torch.stack([loss_sum / accum, torch.tensor(float(stop_signal is not None), device=device)])
         if ddp:
             dist.all_reduce(stats)
             stats[0] /= world
         loss_value = stats[0].item()
         # Gradients are already all-reduced, so every rank sees the same norm.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
-            diverged(f"non-finite loss ({loss_value}) or gradient norm ({grad_norm.item()}) at step {step + 1}", step + 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            diverged(f"non-finite loss ({loss_value}) or gradient norm ({grad_norm}) at step {step + 1}", step + 1)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.time() - t0
-        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                  "tok_s": tc.total_batch_tokens / dt, "mem_gb": peak_memory_gb(device),
-                  "tokens": step * tc.total_batch_tokens}
+        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tok_s": tc.total_batch_tokens / dt,
+                  "mem_gb": peak_memory_gb(device), "tokens": step * tc.total_batch_tokens}
+        # -- evaluation
         if step % tc.eval_every == 0 or step == tc.max_steps:
-            record["val"], record["gates"] = evaluate()
+            record["val"], record["gates"] = evaluate(eval_model, raw_model, val_loader, gate_x, run)
             if target_step is None and tc.target_loss > 0 and record["val"] <= tc.target_loss:
                 target_step = record["steps_to_target"] = step
         val_text = f" | val {record['val']:.4f}" if "val" in record else ""
         log(f"step {step}/{tc.max_steps} | loss {loss_value:.4f}{val_text} | {record['tok_s'] / 1e3:.1f}k tok/s "
             f"| {record['mem_gb']:.1f} GB | lr {lr:.1e}")
-        write_log(record)
+        runlog.write(record)
+        # -- checkpoint
         if stats[1] > 0:
             checkpoint()
             name = signal.Signals(stop_signal).name if stop_signal else "signal on another rank"
             log(f"stopped by {name} after step {step}; checkpoint in {ckpt_path}; continue with --resume=True")
-            write_log({"event": "stopped", "step": step, "signal": name})
+            runlog.write({"event": "stopped", "step": step, "signal": name})
             sys.exit(128 + (stop_signal or signal.SIGTERM))
         if step % tc.ckpt_every == 0 or step == last_step:
             checkpoint()
 
-    # Both ranks must hold the same weights; check it rather than trust it.
+    # -- end: every rank must hold the same weights; check it rather than trust it
     hashes = [param_hash(raw_model)]
     if ddp:
         hashes = [None] * world
         dist.all_gather_object(hashes, param_hash(raw_model))
-    write_log({"event": "end", "step": step, "param_sha256_per_rank": hashes, "steps_to_target": target_step})
+    runlog.write({"event": "end", "step": step, "param_sha256_per_rank": hashes, "steps_to_target": target_step})
     if ddp:
         dist.destroy_process_group()
     if len(set(hashes)) != 1:

@@ -72,7 +72,7 @@ def single_run(shards, tmp_path_factory):
     """STEPS steps on one process with gradient accumulation 2 (shared by two tests)."""
     out = tmp_path_factory.mktemp("single") / "run"
     r = train(*TINY, f"--data_dir={shards}", f"--out_dir={out}", f"--max_steps={STEPS}", "--eval_every=3")
-    assert "grad accumulation 2" in r.stdout
+    assert "x 1 process(es) x 2 accumulation" in r.stdout
     return out, r
 
 
@@ -80,7 +80,7 @@ def test_ddp_two_ranks_equal_one_process_with_accumulation(shards, single_run, t
     single, _ = single_run
     r = train(*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path}", f"--max_steps={STEPS}",
               "--eval_every=3", torchrun=True)
-    assert "grad accumulation 1 | 2 process(es)" in r.stdout
+    assert "x 2 process(es) x 1 accumulation" in r.stdout
     a, b = load_ckpt(single)["model"], load_ckpt(tmp_path)["model"]
     assert load_ckpt(single)["step"] == load_ckpt(tmp_path)["step"] == STEPS
     for name in a:
