@@ -562,21 +562,11 @@ def checkpoint_figures(runs, args, out, figures, notes):
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv):
-    args, runs = dict(DEFAULTS), []
-    for arg in argv:
-        if not arg.startswith("--"):
-            runs.append(arg)
-            continue
-        key, eq, value = arg[2:].partition("=")
-        if not eq or key not in DEFAULTS:
-            sys.exit(f"analyze.py: bad option {arg!r}; use RUN_DIR ... and --key=value with key "
-                     f"one of: {', '.join(DEFAULTS)}")
-        kind = type(DEFAULTS[key])
-        try:
-            args[key] = kind(value)
-        except ValueError:
-            sys.exit(f"analyze.py: --{key} wants a {kind.__name__}, got {value!r}")
-    return runs, args
+    """Run folders and `--key=value` overrides of DEFAULTS (train.py's parser) -> (runs, args)."""
+    from train import parse_flags
+
+    given, runs = parse_flags(argv, {"keys": DEFAULTS}, "analyze.py", positional=True, doc=__doc__)
+    return runs, {**DEFAULTS, **given}
 
 
 def analyze(runs, args):

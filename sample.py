@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from model import CheckpointError, load_checkpoint
+from train import fail, parse_flags
 
 EOT = 50256  # GPT-2 <|endoftext|>: an empty prompt starts a new document, as in training
 
@@ -79,24 +80,16 @@ DEFAULTS = dict(ckpt="", prompt="", prompt_file="", max_new_tokens=200, temperat
 
 
 def parse_args(argv):
-    """`--key=value` overrides of DEFAULTS, type-checked; unknown keys list the valid ones."""
-    args = dict(DEFAULTS)
-    for arg in argv:
-        key, eq, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not eq or key not in DEFAULTS:
-            sys.exit(f"sample.py: bad argument {arg!r}; use --key=value with key one of: "
-                     f"{', '.join(DEFAULTS)}")
-        kind = type(DEFAULTS[key])
-        try:
-            args[key] = kind(value)
-        except ValueError:
-            sys.exit(f"sample.py: --{key} wants a {kind.__name__}, got {value!r}")
+    """`--key=value` overrides of DEFAULTS (train.py's parser: typed, unknown keys list the
+    valid ones)."""
+    given, _ = parse_flags(argv, {"keys": DEFAULTS}, "sample.py", doc=__doc__)
+    args = {**DEFAULTS, **given}
     if not args["ckpt"]:
-        sys.exit("sample.py: --ckpt=RUN_DIR_OR_FILE is required")
+        fail("sample.py: --ckpt=RUN_DIR_OR_FILE is required")
     if args["prompt"] and args["prompt_file"]:
-        sys.exit("sample.py: give --prompt or --prompt_file, not both")
+        fail("sample.py: give --prompt or --prompt_file, not both")
     if args["temperature"] < 0 or args["max_new_tokens"] < 0:
-        sys.exit("sample.py: --temperature and --max_new_tokens must be >= 0")
+        fail("sample.py: --temperature and --max_new_tokens must be >= 0")
     return args
 
 
