@@ -24,15 +24,10 @@ either these figures are skipped with a note in summary.md.
 """
 import json
 import math
-import os
 import statistics
 import sys
 from dataclasses import fields
 from pathlib import Path
-
-# Before torch loads OpenMP: idle threads sleep instead of spinning, which matters on a
-# CPU shared with other processes (train.py and the tests do the same).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
@@ -174,20 +169,11 @@ def _title(run):
 # ----------------------------------------------------------------------------- table
 
 def _tok_s(record):
-    for key in ("tok_s", "tok_per_s", "tokens_per_s"):
-        if isinstance(record.get(key), (int, float)):
-            return record[key]
-    return None
+    return record["tok_s"] if isinstance(record.get("tok_s"), (int, float)) else None
 
 
 def _mem_gb(record):
-    for key in ("mem_gb", "peak_mem_gb"):
-        if isinstance(record.get(key), (int, float)):
-            return record[key]
-    value = record.get("peak_mem")
-    if isinstance(value, (int, float)):
-        return value / 1e9 if value > 1e6 else value  # bytes, or already GB
-    return None
+    return record["mem_gb"] if isinstance(record.get("mem_gb"), (int, float)) else None
 
 
 def summarize(run):

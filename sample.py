@@ -14,15 +14,10 @@ A prompt longer than the model's training context (train_config's seq_len) keeps
 seq_len tokens, with a note. Generation itself may run past seq_len: every variant is defined
 at every length, though a model has only been trained on contexts up to seq_len.
 """
-import os
 import shlex
 import sys
 import time
 from pathlib import Path
-
-# Before torch loads OpenMP: idle threads sleep instead of spinning, which matters on a
-# CPU shared with other processes (train.py and the tests do the same).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
