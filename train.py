@@ -343,7 +343,7 @@ def train_tokens_found(data_dir):
         return None, str(e)
 
 
-def print_plan(tc, mc, run, accum, resuming):
+def print_plan(tc, mc, run, accum, resumed):
     """The run's plan, printed once (rank 0) before the first step, with the data budget."""
     with torch.device("meta"):  # the parameter count without allocating the weights
         n_params = Model(mc).num_params()
@@ -369,7 +369,7 @@ def print_plan(tc, mc, run, accum, resuming):
         + f", lr {tc.lr:g}, warm-up {tc.warmup_steps}, cosine to {tc.min_lr_frac:g} x lr",
         f"tokens      {planned:,} planned; {data_line}",
         f"compile     {'on' if tc.compile else 'off'}",
-        f"run folder  {tc.out_dir} ({'resuming' if resuming else 'new run'})",
+        f"run folder  {tc.out_dir} ({'resuming' if resumed else 'new run'})",
     ]
     print("plan\n  " + "\n  ".join(lines), flush=True)
     if found is None:
@@ -555,10 +555,71 @@ def evaluate(model, raw_model, val_loader, gate_x, run):
     return total.item(), gates
 
 
+# ----------------------------------------------------------------------------- the run's parts
+
+def open_data(tc, run):
+    """The training loader and the fixed validation prefix of this rank."""
+    try:
+        loader = data.DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, run["rank"], run["world"], tc.seed)
+        val_loader = data.ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, run["rank"], run["world"])
+    except data.ShardError as e:
+        fail(str(e), code=1)
+    return loader, val_loader
+
+
+def wrap(raw_model, gate_x, tc, run):
+    """The model the loop calls: compiled when tc.compile, wrapped in DDP under torchrun."""
+    model = torch.compile(raw_model) if tc.compile else raw_model
+    if run["ddp"]:
+        # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
+        # once on the raw model rather than pay find_unused_parameters's search every step.
+        raw_model(gate_x[:1])[0].sum().backward()
+        unused = any(p.grad is None for p in raw_model.parameters())
+        raw_model.zero_grad(set_to_none=True)
+        cuda = run["device"].startswith("cuda")
+        model = DDP(model, device_ids=[torch.device(run["device"])] if cuda else None, find_unused_parameters=unused)
+    return model
+
+
+def open_log(tc, mc, run, accum, raw_model, step, resumed):
+    """The run's config.json and log.jsonl (rank 0), and the resume line when resuming."""
+    device = run["device"]
+    run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
+                "world_size": run["world"], "grad_accum": accum, "num_params": raw_model.num_params(),
+                "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
+                "train": asdict(tc), "model": asdict(mc)}
+    runlog = RunLog(tc.out_dir, run["master"], run_info, step, resumed)
+    runlog.write({"event": "resume" if resumed else "start", "step": step, "time": time.time(), **run_info})
+    if resumed:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if run["master"]:
+            print(f"{f'torchrun restart {restart}: ' if restart else ''}resumed from step {step}; "
+                  f"lost {runlog.lost} step(s) run after that checkpoint", flush=True)
+        runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
+    return runlog
+
+
+class StopRequest:
+    """SIGTERM / SIGINT (Ctrl-C) ask the loop to stop after the current step; `signum` holds
+    the first signal. A second signal abandons the step at once (no checkpoint), but not under
+    torchrun: there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by
+    torchrun), and torchrun itself SIGKILLs workers that have not exited within its timeout."""
+
+    def __init__(self, ddp):
+        self.signum, self.ddp = None, ddp
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.signum is not None and not self.ddp:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
-    # -- set-up: configuration, processes, device, batch
+    # -- set-up: configuration, processes, device, the batch for this world size
     tc, mc, typed = parse_args(sys.argv[1:] if argv is None else argv)
     run = set_up(tc)
     device, master, ddp, world = run["device"], run["master"], run["ddp"], run["world"]
@@ -575,42 +636,18 @@ def main(argv=None):
     if tc.dry_run:
         return
 
-    # -- data, model, optimizer; resume
-    try:
-        loader = data.DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, run["rank"], world, tc.seed)
-        val_loader = data.ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, run["rank"], world)
-    except data.ShardError as e:
-        fail(str(e), code=1)
+    # -- data, model, optimizer, resume, log
+    loader, val_loader = open_data(tc, run)
     os.makedirs(tc.out_dir, exist_ok=True)
     raw_model = Model(mc).to(device)  # unwrapped and uncompiled: its state dict goes in checkpoints
     optimizer = make_optimizer(raw_model, tc)
     step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
     gate_x = next(iter(val_loader))[0][: tc.gate_batch].to(device)  # (gate_batch, T), fixed
-    model = raw_model
-    if tc.compile:
-        model = torch.compile(model)
-    if ddp:
-        # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
-        # once on the raw model rather than pay find_unused_parameters's search every step.
-        raw_model(gate_x[:1])[0].sum().backward()
-        unused = any(p.grad is None for p in raw_model.parameters())
-        raw_model.zero_grad(set_to_none=True)
-        model = DDP(model, device_ids=[torch.device(device)] if device.startswith("cuda") else None, find_unused_parameters=unused)
+    model = wrap(raw_model, gate_x, tc, run)
     eval_model = model.module if ddp else model
+    runlog = open_log(tc, mc, run, accum, raw_model, step, resumed)
+    stop = StopRequest(ddp)
 
-    run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
-                "world_size": world, "grad_accum": accum, "num_params": raw_model.num_params(),
-                "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
-                "train": asdict(tc), "model": asdict(mc)}
-    runlog = RunLog(tc.out_dir, master, run_info, step, resumed)
-    runlog.write({"event": "resume" if resumed else "start", "step": step, "time": time.time(), **run_info})
-    if resumed:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        log(f"{f'torchrun restart {restart}: ' if restart else ''}resumed from step {step}; "
-            f"lost {runlog.lost} step(s) run after that checkpoint")
-        runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
-
-    # -- checkpoint, stopping
     def checkpoint():
         # A finite loss can still be followed by an update that overflows the weights; never
         # replace a good checkpoint with those (checked on every rank: the weights are equal).
@@ -623,20 +660,6 @@ def main(argv=None):
         runlog.write({"event": "non_finite", "step": at_step, "problem": problem})
         fail(f"{problem}; stopping without a checkpoint, so {ckpt_path} still holds the last good "
              f"step; lower --lr or raise --warmup_steps, then continue with --resume=True", code=1)
-
-    stop_signal = None
-
-    def on_signal(signum, frame):
-        nonlocal stop_signal
-        # A second signal abandons the step at once (no checkpoint), but not under torchrun:
-        # there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by torchrun),
-        # and torchrun itself SIGKILLs workers that have not exited within its timeout.
-        if stop_signal is not None and not ddp:
-            raise KeyboardInterrupt
-        stop_signal = stop_signal or signum
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
     # -- the loop
     target_step = None
@@ -661,7 +684,7 @@ def main(argv=None):
             loss_sum += loss.detach().float()
         # One all-reduce carries the loss and any stop request, so every rank takes the same
         # decision (a rank leaving alone would hang the others).
-        stats = torch.stack([loss_sum / accum, torch.tensor(float(stop_signal is not None), device=device)])
+        stats = torch.stack([loss_sum / accum, torch.tensor(float(stop.signum is not None), device=device)])
         if ddp:
             dist.all_reduce(stats)
             stats[0] /= world
@@ -688,10 +711,10 @@ def main(argv=None):
         # -- checkpoint
         if stats[1] > 0:
             checkpoint()
-            name = signal.Signals(stop_signal).name if stop_signal else "signal on another rank"
+            name = signal.Signals(stop.signum).name if stop.signum else "signal on another rank"
             log(f"stopped by {name} after step {step}; checkpoint in {ckpt_path}; continue with --resume=True")
             runlog.write({"event": "stopped", "step": step, "signal": name})
-            sys.exit(128 + (stop_signal or signal.SIGTERM))
+            sys.exit(128 + (stop.signum or signal.SIGTERM))
         if step % tc.ckpt_every == 0 or step == last_step:
             checkpoint()
 

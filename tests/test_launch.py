@@ -35,11 +35,24 @@ def shards(tmp_path_factory):
     return str(out)
 
 
-def run(cmd, check=True, timeout=300, env=ENV):
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def run(cmd, check=True, timeout=300):
+    """Run cmd in its own process group; on a timeout kill the whole group (torchrun's
+    workers too) and fail with what it printed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    out, err = finish(proc, timeout)
     if check:
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def finish(proc, timeout):
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
 def plan(capsys, *args, world=None, monkeypatch=None):
@@ -165,32 +178,39 @@ def worker_pid(parent, rank, timeout=60):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 def test_torchrun_restart_after_a_killed_worker_resumes_exactly(shards, tmp_path):
-    args = ["train.py", *SMALL, f"--data_dir={shards}", "--max_steps=60", "--ckpt_every=5"]
+    args = ["train.py", *SMALL, f"--data_dir={shards}", "--max_steps=30", "--ckpt_every=3"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run([*TORCHRUN, "--nproc_per_node=2", *args, f"--out_dir={straight}"])
+    run([*TORCHRUN, "--nproc_per_node=2", *args, f"--out_dir={straight}"], timeout=600)
 
-    proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", *args, f"--out_dir={killed}"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    victim = worker_pid(proc.pid, 1)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # step 7 logged: the checkpoint of step 5 is on disk
-        try:
-            if max(step_losses(killed), default=0) >= 7:
-                break
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    os.kill(victim, signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    # --max-restarts=3, not 1: under heavy load gloo's connection set-up of a restarted group
+    # has timed out here once (a failed start, no step run), and then torchrun restarts again.
+    proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=3", *args, f"--out_dir={killed}"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        victim = worker_pid(proc.pid, 1)
+        deadline = time.time() + 300
+        while time.time() < deadline:  # step 5 logged: the checkpoint of step 3 is on disk
+            try:
+                if max(step_losses(killed), default=0) >= 5:
+                    break
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+            assert proc.poll() is None, finish(proc, 60)
+            time.sleep(0.02)
+        os.kill(victim, signal.SIGKILL)
+        out, err = finish(proc, 600)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    finally:  # never leave workers behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
     resumed = [r for r in read_log(killed) if r.get("event") == "resumed"]
-    assert len(resumed) == 1 and resumed[0]["restart"] == 1 and resumed[0]["step"] % 5 == 0
-    at = resumed[0]["step"]
-    assert at >= 5 and f"torchrun restart 1: resumed from step {at}; lost {resumed[0]['lost_steps']}" in out
+    assert len(resumed) == 1 and resumed[0]["restart"] >= 1 and resumed[0]["step"] % 3 == 0
+    at, restart, lost = resumed[0]["step"], resumed[0]["restart"], resumed[0]["lost_steps"]
+    assert at >= 3 and f"torchrun restart {restart}: resumed from step {at}; lost {lost} step(s)" in out
     a, b = step_losses(straight), step_losses(killed)
-    assert sorted(b) == list(range(1, 61))  # every step once: the lost ones were redone
-    assert all(a[s] == b[s] for s in range(at + 1, 61)), [(s, a[s], b[s]) for s in range(at + 1, 61) if a[s] != b[s]]
+    assert sorted(b) == list(range(1, 31))  # every step once: the lost ones were redone
+    assert all(a[s] == b[s] for s in range(at + 1, 31)), [(s, a[s], b[s]) for s in range(at + 1, 31) if a[s] != b[s]]
     wa, wb = read_checkpoint(straight)["model"], read_checkpoint(killed)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
