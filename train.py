@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attention import VARIANTS
-from data import DistributedLoader, ShardError, ValLoader
+from data import DistributedLoader, ShardError, ValLoader, check_vocab, tokenizer_of
 from model import PRESETS, Model, ModelConfig
 
 
@@ -148,6 +148,12 @@ def parse_args(argv):
             fail(f"unknown config key --{key}\n  valid training keys: {', '.join(TRAIN_FIELDS)}"
                  f"\n  valid model keys: {', '.join(MODEL_FIELDS)}")
     tc = TrainConfig(**train)
+    try:  # the data folder's tokenizer sets the vocabulary unless --vocab_size does
+        n_ids = tokenizer_of(tc.data_dir)[1]
+        model.setdefault("vocab_size", -(-n_ids // 64) * 64)  # a multiple of 64: GPT-2's 50257 -> 50304
+        check_vocab(tc.data_dir, model["vocab_size"])
+    except ShardError as e:
+        fail(str(e), code=1)
     if tc.model not in PRESETS:
         fail(f"unknown --model={tc.model}; valid model presets: {', '.join(PRESETS)}")
     if model.get("attn", "full") not in VARIANTS:
@@ -274,6 +280,7 @@ def main(argv=None):
     try:
         loader = DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, rank, world, tc.seed)
         val_loader = ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, rank, world)
+        tokenizer = tokenizer_of(tc.data_dir)[0]  # recorded so that sample.py decodes with it
     except ShardError as e:
         fail(str(e), code=1)
 
@@ -321,7 +328,7 @@ def main(argv=None):
     eval_model = model.module if ddp else model
 
     run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device,
-                "world_size": world, "grad_accum": accum, "num_params": raw_model.num_params(),
+                "world_size": world, "grad_accum": accum, "num_params": raw_model.num_params(), "tokenizer": tokenizer,
                 "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
                 "train": asdict(tc), "model": asdict(mc)}
     if master:
@@ -386,7 +393,7 @@ def main(argv=None):
         if master:
             save_checkpoint(ckpt_path, {
                 "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
+                "train_config": asdict(tc), "model_config": asdict(mc), "tokenizer": tokenizer, "step": step,
                 "loader": loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                         "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None}})
