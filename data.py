@@ -9,12 +9,21 @@ Make shards:
     python data.py --source=fineweb --out_dir=data/fineweb --max_tokens=20_000_000
     python data.py --source=fineweb-gpt2 --out_dir=data/fineweb10B --shards=8
     python data.py --source='texts/*.jsonl' --out_dir=data/mine [--val_source=val.jsonl]
+    python data.py --tokenizer=byte --source=texts.jsonl --out_dir=data/bytes   # CPU scale
+
+Tokenizers (SPEC.md, Tokenizers): `gpt2` (tiktoken's GPT-2 BPE, the papers' setting) or
+`byte` (the 256 byte values of the UTF-8 text: no dependency, and a model small enough for
+a CPU learns it in minutes). The folder's tokenizer.json records which one made the shards
+(`tokenizer_of`); train.py takes the vocabulary size from it and sample.py decodes with it.
+At the end data.py prints the unigram baseline (`unigram_loss`): the val loss of a model
+that ignores all context, the number a trained model must beat.
 
 Read them (train.py does this):
     loader = DistributedLoader("data/mine", B=8, T=256, rank=0, world_size=1, seed=0)
     x, y = loader.next_batch()          # int64 (B, T) each; y is x shifted by one token
 """
 import argparse
+import functools
 import glob
 import itertools
 import json
@@ -29,6 +38,10 @@ import torch
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 EOT = 50256  # GPT-2 <|endoftext|>, written before every document (as llm.c does)
+BYTE_EOT = 0  # the byte tokenizer's document separator: NUL, which text practically never holds
+TOKENIZER_FILE = "tokenizer.json"
+# name -> (number of token ids, the id written before every document)
+TOKENIZERS = {"gpt2": (50257, EOT), "byte": (256, BYTE_EOT)}
 
 
 def _default_tiktoken_cache():
@@ -51,6 +64,77 @@ def _remake_hint(data_dir):
     return (f"make shards with `python data.py --source=fineweb --out_dir={data_dir} "
             f"--max_tokens=20000000` (needs internet) or from local files with "
             f"`python data.py --source='path/to/*.jsonl' --out_dir={data_dir}`")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def encode_bytes(text):
+    """str -> its UTF-8 bytes as token ids (N,) uint16; every byte value is its own token."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+def decode_bytes(tokens):
+    """Token ids -> str. A model can emit byte sequences that are not UTF-8 (a lone
+    continuation byte, a cut multibyte character): those become U+FFFD instead of an error."""
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def write_tokenizer(out_dir, name, vocab_size):
+    """Record in out_dir which tokenizer made its shards and how many token ids it uses."""
+    with open(os.path.join(out_dir, TOKENIZER_FILE), "w") as f:
+        json.dump({"name": name, "vocab_size": vocab_size}, f)
+        f.write("\n")
+
+
+def tokenizer_of(data_dir):
+    """(name, vocab_size) of the tokenizer that made data_dir's shards, from its
+    tokenizer.json. A folder without one holds GPT-2 tokens: the public kjj0/fineweb10B-gpt2
+    shards and folders written before the file existed."""
+    path = os.path.join(data_dir, TOKENIZER_FILE)
+    if not os.path.exists(path):
+        return "gpt2", TOKENIZERS["gpt2"][0]
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        return str(record["name"]), int(record["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"{path}: unreadable tokenizer record ({type(e).__name__}: {e}); expected "
+                         f'JSON like {{"name": "byte", "vocab_size": 256}}; re-create the folder '
+                         f"with `python data.py ...`") from None
+
+
+def check_vocab(data_dir, vocab_size):
+    """A clear error when a model of vocab_size ids cannot embed the token ids recorded for
+    data_dir. Folders without a tokenizer.json are not checked: their ids are not recorded
+    (older recall folders, for example, hold ids < 96 and train with --vocab_size=256)."""
+    if not os.path.exists(os.path.join(data_dir, TOKENIZER_FILE)):
+        return
+    name, n_ids = tokenizer_of(data_dir)
+    if vocab_size < n_ids:
+        raise ShardError(f"--vocab_size={vocab_size} is smaller than the {n_ids} token ids of the "
+                         f"{name} shards in {data_dir}; raise it, or leave it out and the data "
+                         f"folder sets it")
+
+
+def unigram_loss(data_dir, val_tokens=None):
+    """The loss to beat: mean cross-entropy (nats per token) on the val shards of the
+    train shards' unigram distribution, i.e. of a model that ignores every token of context.
+
+    p(v) = (count_train(v) + 1) / (N_train + V): add-one smoothing over the tokenizer's V
+    ids, so a val token never seen in training costs log(N_train + V) instead of infinity.
+    val_tokens: only the first val_tokens val tokens (train.py evaluates on such a prefix);
+    None: all of them."""
+    vocab = tokenizer_of(data_dir)[1]
+    counts = np.zeros(vocab, dtype=np.float64)
+    for path in find_shards(data_dir, "train"):
+        counts += np.bincount(load_shard(path), minlength=vocab)[:vocab]
+    log_p = np.log(counts + 1) - np.log(counts.sum() + vocab)  # (V,)
+    val = np.concatenate([np.asarray(load_shard(p)) for p in find_shards(data_dir, "val")])
+    val = val[:val_tokens] if val_tokens else val
+    if val.size and int(val.max()) >= vocab:
+        raise ShardError(f"{data_dir}: val token {int(val.max())} is outside the recorded "
+                         f"vocabulary of {vocab}; the tokenizer.json does not match the shards")
+    return float(-log_p[val.astype(np.int64)].mean())
 
 
 # ----------------------------------------------------------------------------- shards
@@ -268,6 +352,7 @@ def download_fineweb_gpt2(out_dir, shards):
                             repo_type="dataset", local_dir=out_dir)
         n = len(load_shard(os.path.join(out_dir, name)))
         print(f"{name}: {n:,} tokens")
+    write_tokenizer(out_dir, "gpt2", TOKENIZERS["gpt2"][0])
 
 
 def recall_sequences(n_seq, seq_len=256, n_keys=32, n_values=64, seed=0):
@@ -320,6 +405,7 @@ def write_recall_shards(out_dir, max_tokens=None, val_tokens=None, seq_len=256, 
         tokens, _ = recall_sequences(max(1, n_tok // seq_len), seq_len, n_keys, n_values, s)
         write_shard(os.path.join(out_dir, f"recall_{split}_{0 if split == 'val' else 1:06d}.bin"),
                     tokens.reshape(-1))
+    write_tokenizer(out_dir, "recall", n_keys + n_values)  # synthetic ids, no text behind them
     print(f"wrote recall shards to {out_dir}: seq_len {seq_len}, {n_keys} keys, {n_values} values, "
           f"vocab {n_keys + n_values}")
 
@@ -329,9 +415,12 @@ def write_recall_shards(out_dir, max_tokens=None, val_tokens=None, seq_len=256, 
 _enc = None
 
 
-def _encode(text):
-    """One document -> uint16 tokens (EOT first). Runs in the worker processes."""
+def _encode(text, tokenizer="gpt2"):
+    """One document -> uint16 tokens, the tokenizer's document separator first. Runs in the
+    worker processes."""
     global _enc
+    if tokenizer == "byte":
+        return np.concatenate([np.array([BYTE_EOT], dtype=np.uint16), encode_bytes(text)])
     if _enc is None:
         import tiktoken
         _enc = tiktoken.get_encoding("gpt2")
@@ -340,13 +429,14 @@ def _encode(text):
     return tokens.astype(np.uint16)
 
 
-def _encoded(pool, docs, block=4096):
+def _encoded(pool, docs, tokenizer="gpt2", block=4096):
     """Token arrays for docs, in order. pool.imap alone would pull the whole (possibly
     endless, streamed) document iterator into memory in its feeder thread, so documents go
     to the pool in bounded blocks."""
     docs = iter(docs)
+    encode = functools.partial(_encode, tokenizer=tokenizer)
     while block_docs := list(itertools.islice(docs, block)):
-        yield from pool.imap(_encode, block_docs, chunksize=16)
+        yield from pool.imap(encode, block_docs, chunksize=16)
 
 
 class ShardWriter:
@@ -376,8 +466,9 @@ class ShardWriter:
 
 
 def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_tokens=None,
-                       val_docs=None, workers=None):
-    """Tokenize documents in parallel into out_dir. The val shard takes val_tokens tokens of
+                       val_docs=None, workers=None, tokenizer="gpt2"):
+    """Tokenize documents in parallel into out_dir with `tokenizer` (a TOKENIZERS name),
+    recorded in out_dir/tokenizer.json. The val shard takes val_tokens tokens of
     whole documents from val_docs if given, else from the start of docs; the document that
     crosses the val limit is cut there and its rest dropped, so no text is in both splits.
     max_tokens bounds everything written (val included). Returns the number of tokens."""
@@ -389,9 +480,9 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
     budget = max_tokens if max_tokens is not None else float("inf")
     bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing into {out_dir}")
     with Pool(workers or os.cpu_count()) as pool:
-        stream = _encoded(pool, docs)
+        stream = _encoded(pool, docs, tokenizer)
         # Validation first: whole documents until the limit.
-        for tokens in _encoded(pool, val_docs) if val_docs is not None else stream:
+        for tokens in _encoded(pool, val_docs, tokenizer) if val_docs is not None else stream:
             take = min(len(tokens), val_tokens - writer.fill)
             writer.buf[writer.fill: writer.fill + take] = tokens[:take]
             writer.fill += take
@@ -417,8 +508,9 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
         raise ShardError(
             f"all {val_written} tokens went to the val shard and none are left for training; "
             f"pass a smaller --val_tokens (or --val_source=FILE for a separate val split)")
+    write_tokenizer(out_dir, tokenizer, TOKENIZERS[tokenizer][0])
     print(f"wrote {writer.index} shards to {out_dir}: {val_written:,} val tokens, "
-          f"{writer.written - val_written:,} train tokens")
+          f"{writer.written - val_written:,} train tokens ({tokenizer} tokenizer)")
     return writer.written
 
 
@@ -427,6 +519,8 @@ def main(argv=None):
     p.add_argument("--source", required=True,
                    help="fineweb | fineweb-gpt2 | recall | a path, folder or glob of .jsonl/.txt/.parquet")
     p.add_argument("--out_dir", required=True, help="folder for the .bin shards")
+    p.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS),
+                   help="gpt2: GPT-2 BPE (the papers'); byte: the 256 UTF-8 byte values (CPU scale)")
     p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens (val included)")
     p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard")
     p.add_argument("--shards", type=int, default=1, help="fineweb-gpt2: train shards to fetch (100M tokens each)")
@@ -440,6 +534,9 @@ def main(argv=None):
     p.add_argument("--recall", default="256,32,64,0", help="recall: seq_len,n_keys,n_values,seed")
     args = p.parse_args(argv)
     try:
+        if args.tokenizer != "gpt2" and args.source in ("fineweb-gpt2", "recall"):
+            raise ShardError(f"--source={args.source} makes its own tokens; drop --tokenizer="
+                             f"{args.tokenizer} (it applies to text sources)")
         if args.source == "fineweb-gpt2":
             os.makedirs(args.out_dir, exist_ok=True)
             download_fineweb_gpt2(args.out_dir, args.shards)
@@ -457,7 +554,10 @@ def main(argv=None):
             prefix = "text"
         val_docs = iter_local_documents(args.val_source, args.text_field) if args.val_source else None
         tokenize_to_shards(docs, args.out_dir, args.prefix or prefix, args.shard_tokens,
-                           args.val_tokens, args.max_tokens, val_docs, args.workers)
+                           args.val_tokens, args.max_tokens, val_docs, args.workers, args.tokenizer)
+        unit = "byte" if args.tokenizer == "byte" else "token"
+        print(f"unigram baseline (no context): val loss {unigram_loss(args.out_dir):.4f} nats per "
+              f"{unit}; a trained model's val loss should end well below it")
     except ShardError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -63,6 +63,10 @@ class ModelConfig:
 # chosen so the tied-embedding count is ~134M; small: ~16M, trains at ~800 tok/s on 2 CPU cores.
 PRESETS = {
     "tiny": dict(n_layer=2, n_head=4, n_kv_head=4, head_dim=16, d_model=64, mlp_hidden=192),
+    # bytes: the CPU default (train.py's cpu preset) on byte shards, ~0.9M parameters; the
+    # shape of nanoGPT's CPU character-level Shakespeare model (4 layers, d_model 128).
+    "bytes": dict(n_layer=4, n_head=4, n_kv_head=4, head_dim=32, d_model=128, mlp_hidden=384,
+                  tie_embeddings=False, vocab_size=256),  # train.py sets the data folder's vocab anyway
     "small": dict(n_layer=4, n_head=4, n_kv_head=4, head_dim=64, d_model=256, mlp_hidden=768),
     "qwen-134m": dict(n_layer=12, n_head=12, n_kv_head=12, head_dim=64, d_model=768, mlp_hidden=2432),
 }

@@ -32,6 +32,33 @@ def context_length(ckpt):
     return (ckpt.get("train_config") or {}).get("seq_len")
 
 
+# ----------------------------------------------------------------------------- text
+
+def text_codec(tokenizer):
+    """(encode, decode, document start id) for the tokenizer a checkpoint was trained with
+    (train.py records data.tokenizer_of(data_dir)'s name; older checkpoints are GPT-2).
+    An empty prompt is the document start id alone, as every training document begins."""
+    from data import BYTE_EOT, decode_bytes, encode_bytes
+
+    if tokenizer == "byte":
+        # Sampled bytes need not form UTF-8 (a cut multibyte character): decode_bytes
+        # replaces those with U+FFFD; the NUL that starts a document prints as a newline.
+        return (lambda text: encode_bytes(text).tolist(),
+                lambda tokens: decode_bytes(tokens).replace("\0", "\n"), BYTE_EOT)
+    if tokenizer == "gpt2":
+        import tiktoken
+
+        enc = tiktoken.get_encoding("gpt2")
+        return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}), enc.decode, EOT)
+    raise CheckpointError(f"this checkpoint was trained on {tokenizer!r} tokens, which have no "
+                          f"text to decode; sample.py reads checkpoints of gpt2 or byte shards")
+
+
+def tokenizer_of_checkpoint(ckpt):
+    """The tokenizer train.py recorded in the checkpoint (GPT-2 when it recorded none)."""
+    return ckpt.get("tokenizer", "gpt2")
+
+
 # ----------------------------------------------------------------------------- decoding
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
@@ -113,8 +140,6 @@ def render_png(path, prompt, completion, caption):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import tiktoken
-
     device = args["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +147,10 @@ def main(argv=None):
         model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"])
     except CheckpointError as e:
         sys.exit(f"sample.py: {e}")
-    enc = tiktoken.get_encoding("gpt2")
+    try:
+        encode, decode, doc_start = text_codec(tokenizer_of_checkpoint(ckpt))
+    except CheckpointError as e:
+        sys.exit(f"sample.py: {args['ckpt']}: {e}")
     if args["prompt_file"]:
         try:
             prompt = Path(args["prompt_file"]).read_text()
@@ -130,13 +158,13 @@ def main(argv=None):
             sys.exit(f"sample.py: cannot read --prompt_file {args['prompt_file']}: {e.strerror}")
     else:
         prompt = args["prompt"]
-    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
+    tokens = encode(prompt) or [doc_start]
     seq_len = context_length(ckpt)
     if seq_len is not None and len(tokens) > seq_len:
         print(f"note: the prompt has {len(tokens)} tokens, more than the model's training "
               f"context of {seq_len}; keeping its last {seq_len}", file=sys.stderr)
         tokens = tokens[-seq_len:]
-        prompt = enc.decode(tokens)
+        prompt = decode(tokens)
     cfg = model.cfg
     print(f"{Path(args['ckpt'])}: attn={cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, "
           f"step {ckpt.get('step', '?')}, prompt {len(tokens)} tokens", file=sys.stderr)
@@ -153,7 +181,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     new_tokens = out[0, len(tokens):].tolist()
-    completion = enc.decode(new_tokens)
+    completion = decode(new_tokens)
     print(prompt + completion)
     print(f"---\n{len(new_tokens)} tokens in {seconds:.2f} s: "
           f"{len(new_tokens) / max(seconds, 1e-9):.1f} tokens/s ({device}, KV cache)")
