@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import CORPUS, ENGLISH, ROOT, requires_corpus
+from model import read_checkpoint
 import data
 import sample
 
@@ -129,7 +130,7 @@ def byte_run(byte_shards, tmp_path_factory):
 def test_train_takes_the_vocabulary_from_the_folder(byte_run, byte_shards, tmp_path):
     config = json.loads((byte_run / "config.json").read_text())
     assert config["model"]["vocab_size"] == 256 and config["tokenizer"] == "byte"
-    ckpt = torch.load(byte_run / "ckpt.pt", map_location="cpu", weights_only=False)
+    ckpt = read_checkpoint(byte_run)
     assert ckpt["tokenizer"] == "byte" and ckpt["model"]["embed_tokens.weight"].shape[0] == 256
     # An explicit --vocab_size wins, but one too small for the recorded ids is refused.
     out, _, _ = byte_shards
