@@ -11,7 +11,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import CORPUS, ENGLISH, ROOT, requires_corpus
 from model import read_checkpoint
