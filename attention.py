@@ -182,8 +182,13 @@ def ops(kernel, device):
 
 
 def attention_path(cfg, device):
-    """One line for the run's plan: which implementation of the core operations runs."""
-    return f"kernel={cfg.kernel}: {ops(cfg.kernel, device).name} on {torch.device(device).type}"
+    """One line for the run's plan: which implementation of the core operations runs, e.g.
+    'kernel=fused: FlexAttention + SDPA (kernels.py), compiled, on cuda'."""
+    chosen, kind = ops(cfg.kernel, device), torch.device(device).type
+    how = ""
+    if chosen is kernels.FLEX:
+        how = ", compiled" if kind == "cuda" else ", uncompiled (no backward for q, k, v on CPU)"
+    return f"kernel={cfg.kernel}: {chosen.name}{how}, on {kind}"
 
 
 def gate_summary(gate):
@@ -504,7 +509,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
                 glob = op.topk_attention(q, k, v, self.scale, q_start, k_start, *self.k_per_query(q_start, T, q.device))
         if cfg.caa_gate != "learned":
             if self.record:
-                self.gates["mix_gate"] = torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"))
+                self.gates["mix_gate"] = torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
+                                                    device=q.device)
             return glob if local is None else local
         g = torch.sigmoid(self.mix_gate(x))  # (B, T, H)
         if self.record:

@@ -54,6 +54,10 @@ def expand_kv(k_BHSD, n_head):
     return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 
+def ceil_div(a, b):
+    return -(-a // b)
+
+
 def key_offset(q, k, q_start, k_start):
     """Keys before the first query (query t is key off + t); a clear error where the
     queries are not the last keys."""
@@ -97,16 +101,16 @@ class Band:
         while bq * 2 <= min(self.BLOCK, window / 4):
             bq *= 2
         self.Bq = min(bq, T)
-        self.nb = -(-T // self.Bq)
+        self.nb = ceil_div(T, self.Bq)
         self.Tp = self.nb * self.Bq  # queries padded to whole blocks
-        self.n = -(-window // self.Bq)  # key blocks before the diagonal one
+        self.n = ceil_div(window, self.Bq)  # key blocks before the diagonal one
         self.Wp = self.n * self.Bq
         self.L = self.Bq + self.Wp
         self.R = (self.nb + self.n) * self.Bq  # keys one head's bands cover: [off - Wp, off + Tp)
         self.flat = off == 0
         blocks = G * self.nb if self.flat else self.nb  # what one chunk may span
         per_chunk = max(1, self.CHUNK // (self.Bq * self.L))
-        self.chunk = -(-blocks // -(-blocks // per_chunk))  # blocks per chunk, balanced
+        self.chunk = ceil_div(blocks, ceil_div(blocks, per_chunk))  # the fewest chunks, of equal size
         self.device = device
         self.dist = (torch.arange(self.Bq, device=device)[:, None] + self.Wp
                      - torch.arange(self.L, device=device))  # (Bq, L)
@@ -121,7 +125,7 @@ class Band:
         """(blocks, Bq, L) -inf for the first blocks' keys before s = 0 (rows t < T only:
         padded rows keep their in-window keys, whatever they hold, so no row is all -inf).
         No real query sees a key s >= S, since off + T <= S."""
-        blocks = min(self.nb, max(0, -(-(self.Wp - self.off) // self.Bq)))
+        blocks = min(self.nb, max(0, ceil_div(self.Wp - self.off, self.Bq)))
         b = torch.arange(blocks, device=self.device)[:, None, None]
         s = self.off + b * self.Bq - self.Wp + torch.arange(self.L, device=self.device)  # (blocks, 1, L)
         t = b * self.Bq + torch.arange(self.Bq, device=self.device)[:, None]  # (blocks, Bq, 1)
@@ -182,6 +186,7 @@ class Band:
     def bands(self, buf, i0, i1):
         """(i1 - i0, L, D) view: the bands of blocks i0 .. i1-1 (of one head, with a cache)."""
         D = buf.shape[-1]
+        # as_strided: consecutive bands overlap by Wp rows, which no view() can express
         return buf[self.row(i0):].as_strided((i1 - i0, self.L, D), (self.Bq * D, D, 1))
 
     def chunks(self):
