@@ -12,6 +12,9 @@ References (the short names are used everywhere below):
   [Longformer] Beltagy et al. 2020, "Longformer: The Long-Document Transformer".
   [Flash] Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
           IO-Awareness" (kernels.py's blockwise loops).
+  [Qwen3] Qwen Team 2025, "Qwen3 Technical Report" (the attention block around every variant).
+The four method papers report their runs on FineWeb with a 134M-parameter Qwen model; their
+numbers are quoted in the docstrings below with the paper they come from.
 
 Layout: q is (B, H, T, D); k and v are (B, Hkv, S, D) where S counts keys (S = T in a plain
 forward pass, S = cached + T when decoding with a KV cache). Positions enter as two Python
@@ -30,6 +33,10 @@ A variant computes its gates, masks and biases once and calls these through
 or FlexAttention + SDPA) is decided in `ops` alone. Imports run one way: this file imports
 kernels.py; kernels.py imports nothing from here. Materialising the (T, S) score matrix is
 deliberate in this file: it is for reading.
+
+A new variant is a subclass of CausalSelfAttention whose `attend` builds its gates and calls
+the core operations, plus an entry in VARIANTS. A new core operation is a reference function
+here, an `Ops` field, and its versions in kernels.BLOCKWISE and kernels.FLEX.
 """
 import math
 
@@ -65,7 +72,7 @@ def rope_cos_sin(pos, head_dim, theta):
 
 
 def apply_rope(x_BHTD, cos, sin):
-    """Rotate-half RoPE (RoFormer, Su et al. 2021, as in HF Qwen3): x*cos + rotate_half(x)*sin."""
+    """Rotate-half [RoPE] (as in Hugging Face's Qwen3): x*cos + rotate_half(x)*sin."""
     x1, x2 = x_BHTD.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x_BHTD * cos + rotated * sin).to(x_BHTD.dtype)
@@ -205,7 +212,7 @@ class CausalSelfAttention(nn.Module):
     """`full`: softmax(q k^T / sqrt(d)) v over every j <= i — the baseline of every paper
     (validation loss 4.9266 at 134M on FineWeb, reported by [DSA], [DSA-A] and [CAA]).
 
-    The Qwen3 attention block around every variant: q, k, v, o projections without bias,
+    The [Qwen3] attention block around every variant: q, k, v, o projections without bias,
     grouped-query heads (`n_kv_head`), per-head RMSNorm on q and k *before* RoPE,
     scale 1/sqrt(head_dim).
     """
@@ -416,6 +423,9 @@ class ASGAttention(CausalSelfAttention):
             self.gates["pair_gate"] = self.record_pair_gate(q_term, k_term, q_start, k_start)
         return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
                                        q_start, k_start, cfg.asga_gate_space)
+
+    def oldest_key_needed(self, next_pos):
+        return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
 
     @torch.no_grad()
     def record_pair_gate(self, q_term, k_term, q_start, k_start):
