@@ -22,7 +22,7 @@ VARIANTS = {
     "caa": dict(attn="caa", caa_window_max=16),
 }
 # Variants whose cache must roll: query position from which it holds <= window (+1 in a step).
-ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16}
+ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16, "asga_fixed": 0}  # asga fixed: a window mask
 
 
 def tiny_model(seed=0, vocab=128, **kw):
