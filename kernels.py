@@ -466,6 +466,7 @@ def _scaled(q, scale):
 
 
 def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
+    """attention.attention: SDPA where no window binds, `BandAttention` where one does."""
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
         B, H, T, D = q.shape
@@ -502,6 +503,7 @@ def _banded(q, k, v, off, window, scale, bias, t0):
 
 def blockwise_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start,
                                    gate_space="logit"):
+    """attention.pair_gated_attention through `PairGatedAttention`."""
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
         B, H, T, D = q.shape
@@ -514,6 +516,7 @@ def blockwise_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_sta
 
 
 def blockwise_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """attention.topk_attention through `TopkAttention`."""
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
         B, H, T, D = q.shape
@@ -585,6 +588,8 @@ def block_mask(T, S, q_start, k_start, window, window_from, device):
 
 
 def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
+    """attention.attention: flash SDPA where no window, bias or per-head scale applies,
+    else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
     T, S = q.shape[2], k.shape[2]
     q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
@@ -605,6 +610,9 @@ def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from
 
 
 def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
+    """attention.pair_gated_attention: the gate is a score_mod reading the captured per-query
+    and per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention,
+    not even one (T, S) score tile outlives its block)."""
     T, S = q.shape[2], k.shape[2]
     q, k, v = _same_dtype(q, k, v)
     r = q_term.shape[-1]
@@ -652,6 +660,8 @@ def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
 
 
 def flex_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """attention.topk_attention: a per-query threshold (`topk_threshold`, no gradient: the
+    choice of keys is not differentiable) applied by a score_mod, then causal FlexAttention."""
     T, S = q.shape[2], k.shape[2]
     q, k, v = _same_dtype(q, k, v)
     threshold = topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max)
