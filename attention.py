@@ -431,9 +431,11 @@ class ASGAttention(CausalSelfAttention):
     def record_pair_gate(self, q_term, k_term, q_start, k_start):
         """(B, T, H): each query's mean gate s over its visible keys, computed a chunk of
         query rows at a time. Memory bound: besides the (B, H, T, r) and (B, H, S, r) terms the
-        forward builds anyway, one (B, H, rows, S, r) transient (and its (B, H, rows, S) gate)
-        of at most max(RECORD_ELEMENTS, B*H*S*r) elements: 4 MB in float32 at the default,
-        not the (B, H, T, S, r) pair tensor (at T = 2048 with the qwen-134m shapes and r = 16:
+        forward builds anyway, two (B, H, rows, S, r) transients at a time (the hidden units
+        and their w2-weighted copy) of at most max(RECORD_ELEMENTS, B*H*S*r) elements each:
+        4 MB each in float32 when RECORD_ELEMENTS binds; at T = 2048, B = 16 with the
+        qwen-134m shapes and r = 16 (one query row per chunk), 25 MB each. Not the
+        (B, H, T, S, r) pair tensor (at T = 2048 with the qwen-134m shapes and r = 16:
         12 * 2048^2 * 16 * 4 bytes = 3.2 GB per sequence)."""
         B, H, T, r = q_term.shape
         S = k_term.shape[2]
