@@ -67,9 +67,9 @@ class ModelConfig:
 
 # Named sizes. qwen-134m: this project's choice of a 134M-parameter Qwen3 (12 layers, 12 heads
 # of 64, d_model 768, MLP width set so the tied-embedding count is ~134M), matching the
-# parameter count the papers state; the papers' own shapes differ ([DSA]: 12 heads of 128;
-# [DSA-A]: d_model 1536, FFN 8960, 28 layers, ~1.4B parameters). small: ~16M, trains at
-# ~800 tok/s on 2 CPU cores.
+# parameter count the papers state. The papers' own shapes differ (short names as in
+# attention.py's references): [DSA] 12 heads of 128; [DSA-A] d_model 1536, FFN 8960, 28 layers,
+# ~1.4B parameters. small: ~16M, trains at ~800 tok/s on 2 CPU cores.
 PRESETS = {
     "tiny": dict(n_layer=2, n_head=4, n_kv_head=4, head_dim=16, d_model=64, mlp_hidden=192),
     "small": dict(n_layer=4, n_head=4, n_kv_head=4, head_dim=64, d_model=256, mlp_hidden=768),
