@@ -38,7 +38,6 @@ Both need the queries to be the last keys (q_start + T == k_start + S), as in ev
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
 The benchmark is benchmarks/attention.py.
 """
-import math
 from collections import namedtuple
 
 import torch
@@ -68,7 +67,7 @@ def key_offset(q, k, q_start, k_start):
     return q_start - k_start
 
 
-# ---------------------------------------------------------------------------- full causal
+# ---------------------------------------------------------------------------- full causal (both sets)
 
 def causal_attention(q, k, v, off, scale):
     """(B, H, T, D): softmax over keys s <= off + t of q_t . k_s * scale, times v (SDPA, GQA
@@ -85,7 +84,7 @@ def causal_attention(q, k, v, off, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-# ---------------------------------------------------------------------------- windowed (CPU)
+# ---------------------------------------------------------------------------- BLOCKWISE: windowed
 
 class Band:
     """Geometry of windowed attention. Query t (block b = t // Bq, row a = t % Bq) sees key s
@@ -278,7 +277,7 @@ def _softmax_into(s, out):
     return torch.ops.aten._softmax.out(s, -1, False, out=out)
 
 
-# ---------------------------------------------------------------------------- asga learned
+# ---------------------------------------------------------------------------- BLOCKWISE: pair-gated
 
 def _mask_future_(logits, t0, off, c0=0):
     """logits (G, bq, c) of queries t0 + a and keys c0 + j: -inf where the key comes after
@@ -392,7 +391,7 @@ class PairGatedAttention(torch.autograd.Function):
         return dq, dk, dv, dqt, dkt, dw2.view(G, r), db2, None, None
 
 
-# ---------------------------------------------------------------------------- caa top-k
+# ---------------------------------------------------------------------------- BLOCKWISE: top-k
 
 class TopkAttention(torch.autograd.Function):
     """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v.
@@ -453,7 +452,7 @@ class TopkAttention(torch.autograd.Function):
 
 
 
-# ---------------------------------------------------------------------------- BLOCKWISE ops
+# ---------------------------------------------------------------------------- BLOCKWISE: the core ops
 
 def _float32(*tensors):
     """The blockwise loops run in float32 (see the module docstring)."""
@@ -530,7 +529,7 @@ BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attentio
                 blockwise_pair_gated_attention, blockwise_topk_attention)
 
 
-# ---------------------------------------------------------------------------- FLEX ops
+# ---------------------------------------------------------------------------- FLEX: the core ops
 
 _compiled_flex = None
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask
