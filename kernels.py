@@ -16,7 +16,11 @@ tensor); caa's top-k as a per-query threshold (found chunk by chunk without grad
 dtype under autocast, so bf16 on a GPU); FlexAttention and SDPA keep their softmax
 statistics in float32. GQA through the kernels' own support (enable_gqa). On CPU,
 FlexAttention runs uncompiled and has no backward for q, k, v (torch raises); gradients
-of tensors a score_mod captures (the gates) it does compute.
+of tensors a score_mod captures (the gates) it does compute. torch.compile of a whole model
+traces this path without a graph break (tests/test_kernels.py); on CPU, inductor's C++
+FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
+gate multiply, "no choices" for the asga and caa score_mods), so CPU runs stay uncompiled.
+Compiled on a GPU (Triton templates): not yet run, no GPU was available.
 
 BLOCKWISE, the CPU training path (kernel='fused' on CPU): plain PyTorch loops built for a
 few CPU cores, in float32 (autocast is switched off inside: CPU bf16 matmuls gain nothing
