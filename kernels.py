@@ -19,7 +19,8 @@ FlexAttention runs uncompiled and has no backward for q, k, v (torch raises); gr
 of tensors a score_mod captures (the gates) it does compute. torch.compile of a whole model
 traces this path without a graph break (tests/test_kernels.py); on CPU, inductor's C++
 FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
-gate multiply, "no choices" for the asga and caa score_mods), so CPU runs stay uncompiled.
+gate multiply, "no choices" for the asga and caa score_mods; `local` compiles and matches
+the reference to 2e-7), so CPU runs stay uncompiled.
 Compiled on a GPU (Triton templates): not yet run, no GPU was available.
 
 BLOCKWISE, the CPU training path (kernel='fused' on CPU): plain PyTorch loops built for a
