@@ -26,7 +26,7 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -446,13 +446,14 @@ def plot_gate_by_category(run, by_cat, path):
 
 def capture_attend_inputs(model, idx, layer):
     """Run model(idx) and return the arguments its layer's `attend` received:
-    {'q', 'k', 'v', 'x', 'q_pos', 'k_pos'} (q (B, H, T, D), k and v (B, Hkv, S, D))."""
+    {'q', 'k', 'v', 'x', 'q_start', 'k_start'} (q (B, H, T, D), k and v (B, Hkv, S, D); the
+    first query's and first key's positions, Python ints)."""
     attn = model.layers[layer].self_attn
     seen = {}
 
-    def spy(q, k, v, x, q_pos, k_pos):
-        seen.update(q=q, k=k, v=v, x=x, q_pos=q_pos, k_pos=k_pos)
-        return type(attn).attend(attn, q, k, v, x, q_pos, k_pos)
+    def spy(q, k, v, x, q_start, k_start):
+        seen.update(q=q, k=k, v=v, x=x, q_start=q_start, k_start=k_start)
+        return type(attn).attend(attn, q, k, v, x, q_start, k_start)
 
     attn.attend = spy  # shadows the class's method on this instance only
     try:
@@ -464,7 +465,7 @@ def capture_attend_inputs(model, idx, layer):
 
 
 @torch.no_grad()
-def attention_weights(attn, q, k, x, q_pos, k_pos):
+def attention_weights(attn, q, k, x, q_start, k_start):
     """(B, H, T, S): the weights with which the layer mixes values, from its reference `attend`.
 
     Every variant's output is linear in v, so attend(q, k, v = identity) returns the mixing
@@ -472,7 +473,12 @@ def attention_weights(attn, q, k, x, q_pos, k_pos):
     for dsa (rows sum to g); for caa the g-weighted sum of the local and the top-k weights."""
     B, n_kv, S, _ = k.shape
     eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(B, n_kv, S, S)  # values = one-hot keys
-    return attn.attend(q, k, eye, x, q_pos, k_pos)
+    cfg = attn.cfg
+    attn.cfg = replace(cfg, kernel="ref")  # the dense reference takes values of any width
+    try:
+        return attn.attend(q, k, eye, x, q_start, k_start)
+    finally:
+        attn.cfg = cfg
 
 
 def plot_attention(maps, pieces, path):
@@ -536,7 +542,7 @@ def checkpoint_figures(runs, args, out, figures, notes):
         passage = idx[0, : args["attn_tokens"]] if passage is None else passage
         seen = capture_attend_inputs(model, passage[None], layer)
         w = attention_weights(model.layers[layer].self_attn, seen["q"], seen["k"], seen["x"],
-                              seen["q_pos"], seen["k_pos"])  # (1, H, T, T)
+                              seen["q_start"], seen["k_start"])  # (1, H, T, T)
         maps.append((f"{_title(run)}\nlayer {layer}, head {head}", w[0, head].numpy()))
     if maps:
         pieces = [decode(t) for t in passage.tolist()]

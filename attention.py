@@ -1,20 +1,50 @@
-"""The attention variants, one readable class each: the reference that kernels.py must match.
+"""The attention variants, one readable class each, and the dense reference of the few core
+attention operations they call.
+
+References (the short names are used everywhere below):
+  [DSA]   "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis" —
+          dynamic head gating with an always-on local window (W = 256).
+  [DSA-A] "Dynamic Sparse Attention for Efficient Language Modeling" — the same head gating,
+          windowed only for sequences longer than 512 tokens.
+  [ASGA]  "Adaptive Sparse-Geometric Attention: A Comprehensive Empirical Analysis".
+  [CAA]   "Context-Adaptive Attention: A Balanced Approach for Efficient Language Modeling".
+  [RoPE]  Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding".
+  [Longformer] Beltagy et al. 2020, "Longformer: The Long-Document Transformer".
+  [Flash] Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
+          IO-Awareness" (kernels.py's blockwise loops).
+  [Qwen3] Qwen Team 2025, "Qwen3 Technical Report" (the attention block around every variant).
+The four method papers report their runs on FineWeb with a 134M-parameter Qwen model; their
+numbers are quoted in the docstrings below with the paper they come from.
 
 Layout: q is (B, H, T, D); k and v are (B, Hkv, S, D) where S counts keys (S = T in a plain
-forward pass, S = cached + T when decoding with a KV cache). Every rule is written in terms of
-*positions* (`q_pos`, `k_pos`: absolute token indices), never of sequence lengths, so a
-query's output depends only on its own context (SPEC.md): prefixes, padding-free batches
-and KV-cache decoding all compute the same function.
+forward pass, S = cached + T when decoding with a KV cache). Positions enter as two Python
+ints: query t sits at absolute position q_start + t, key s at k_start + s, and the queries
+are the last keys (q_start + T == k_start + S). Every rule is written in terms of these
+absolute positions, never of sequence lengths, so a query's output depends only on its own
+context: prefixes, batches and KV-cache decoding compute the same function. Python ints,
+not position tensors, so nothing is read back from the device (no host sync, no graph break).
 
-Every class shares the constructor `(cfg)` and the forward signature of `CausalSelfAttention`;
-a variant only overrides `attend` (and `oldest_key_needed`, which trims the KV cache).
-Materialising the (T, S) score matrix is deliberate here: this file is for reading.
+Core operations (same signatures in kernels.py, which holds their fused versions):
+  attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None)
+  pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
+  topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
+A variant computes its gates, masks and biases once and calls these through
+`self.ops(device)`; which set runs (this file's reference, kernels.py's blockwise CPU path,
+or FlexAttention + SDPA) is decided in `ops` alone. Imports run one way: this file imports
+kernels.py; kernels.py imports nothing from here. Materialising the (T, S) score matrix is
+deliberate in this file: it is for reading.
+
+A new variant is a subclass of CausalSelfAttention whose `attend` builds its gates and calls
+the core operations, plus an entry in VARIANTS. A new core operation is a reference function
+here, an `Ops` field, and its versions in kernels.BLOCKWISE and kernels.FLEX.
 """
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kernels
 
 
 class RMSNorm(nn.Module):
@@ -42,30 +72,130 @@ def rope_cos_sin(pos, head_dim, theta):
 
 
 def apply_rope(x_BHTD, cos, sin):
-    """Rotate-half RoPE (RoFormer, Su et al. 2021, as in HF Qwen3): x*cos + rotate_half(x)*sin."""
+    """Rotate-half [RoPE] (as in Hugging Face's Qwen3): x*cos + rotate_half(x)*sin."""
     x1, x2 = x_BHTD.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x_BHTD * cos + rotated * sin).to(x_BHTD.dtype)
 
+
+# ---------------------------------------------------------------------------- core operations
 
 def expand_kv(k_BHSD, n_head):
     """Grouped-query attention: repeat each key/value head for the query heads that share it."""
     return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 
-def causal_mask(q_pos, k_pos, window=None):
-    """(T, S) bool, True where query i may see key j: 0 <= i - j (<= window, if given)."""
-    dist = q_pos[:, None] - k_pos[None, :]  # (T, S)
+def distances(T, S, q_start, k_start, device):
+    """(T, S) long: query position minus key position."""
+    q_pos = torch.arange(q_start, q_start + T, device=device)
+    k_pos = torch.arange(k_start, k_start + S, device=device)
+    return q_pos[:, None] - k_pos[None, :]
+
+
+def allowed(T, S, q_start, k_start, device, window=None, window_from=0):
+    """(T, S) bool, True where query t may see key s: causal (distance >= 0) and, if `window`
+    is given, distance <= window for queries at positions >= window_from."""
+    dist = distances(T, S, q_start, k_start, device)
     mask = dist >= 0
     if window is not None:
-        mask = mask & (dist <= window)
+        q_pos = torch.arange(q_start, q_start + T, device=device)[:, None]
+        mask = mask & ((dist <= window) | (q_pos < window_from))
     return mask
 
 
-def masked_softmax_attend(logits_BHTS, mask_TS, v_BHSD):
-    """softmax over the allowed keys, then the weighted sum of values."""
-    logits = logits_BHTS.masked_fill(~mask_TS, float("-inf"))
-    return torch.softmax(logits.float(), dim=-1).to(v_BHSD.dtype) @ v_BHSD
+def masked_softmax_attend(logits_BHTS, mask, v_BHSD):
+    """softmax over the allowed keys (in float32), then the weighted sum of values."""
+    logits = logits_BHTS.float().masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits, dim=-1).to(v_BHSD.dtype) @ v_BHSD
+
+
+def per_head(scale):
+    """scale: a Python float, or a (H,) tensor (one scale per head) shaped to (1, H, 1, 1)."""
+    return scale[None, :, None, None] if torch.is_tensor(scale) else scale
+
+
+def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
+    """(B, H, T, D): softmax_j(q_t . k_j * scale + bias) v over the keys `allowed` (causal,
+    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, t, dist) of the batch index, the
+    query index and the query-minus-key distance (index tensors that broadcast), returning
+    the additive logit bias; written once, it is evaluated here on (B, 1, T, S) broadcasts,
+    in kernels.py on its blocks or as a FlexAttention score_mod."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
+    if bias is not None:
+        b = torch.arange(B, device=q.device)[:, None, None, None]
+        t = torch.arange(T, device=q.device)[None, None, :, None]
+        logits = logits + bias(b, t, distances(T, S, q_start, k_start, q.device)[None, None])
+    return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device, window, window_from), v)
+
+
+def pair_gate_logit(q_term, k_term, w2, b2):
+    """(B, H, T, S): w2 . GELU(q_term_t + k_term_s) + b2 per head ([ASGA] eq. 1 before its
+    sigmoid). q_term (B, H, T, r), k_term (B, H, S, r), w2 (H, r), b2 (H,). Builds the
+    (B, H, T, S, r) pair tensor: reference only."""
+    hidden = F.gelu(q_term[:, :, :, None, :] + k_term[:, :, None, :, :])  # (B, H, T, S, r)
+    return (hidden * w2[None, :, None, None, :]).sum(-1) + b2[None, :, None, None]
+
+
+def pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
+    """(B, H, T, D): causal attention whose logits alpha = q . k * scale (float or per head)
+    meet a pair gate
+    s = sigmoid(pair_gate_logit): gate_space 'logit' takes softmax(alpha * s) ([ASGA] eq. 3),
+    'prob' takes softmax(alpha + log s), i.e. weights exp(alpha) * s renormalised."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
+    z = pair_gate_logit(q_term, k_term, w2, b2)
+    logits = logits * torch.sigmoid(z) if gate_space == "logit" else logits + F.logsigmoid(z)
+    return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device), v)
+
+
+def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """(B, H, T, D): query t attends, with a softmax, to its k_per_query[t] highest-scoring
+    visible keys alone (never a future key, even when fewer are visible). k_max: a Python int
+    >= every k_per_query (the fused paths size their buffers with it)."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    causal = allowed(T, S, q_start, k_start, q.device)
+    return masked_softmax_attend(logits, topk_mask(logits.detach(), causal, k_per_query), v)
+
+
+def topk_mask(logits, causal, k_per_query):
+    """(B, H, T, S) bool: the k_per_query[t] highest-scoring visible keys of each query."""
+    order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
+    rank = order.argsort(dim=-1)  # rank of each key within its query's row
+    return (rank < k_per_query[:, None]) & causal  # & causal: never a future key
+
+
+REFERENCE = kernels.Ops("reference (attention.py, dense)", attention, pair_gated_attention, topk_attention)
+
+
+def ops(kernel, device):
+    """The one place that picks which implementation of the core operations runs.
+    'ref': this file. 'flex': kernels.py's FlexAttention + SDPA path on any device.
+    'fused': the best path for the device: FlexAttention + SDPA on CUDA; on CPU, where
+    FlexAttention has no backward, kernels.py's blockwise path (faster than the reference
+    at every measured length, see benchmarks/attention.py)."""
+    if kernel == "ref":
+        return REFERENCE
+    if kernel == "flex" or torch.device(device).type == "cuda":
+        return kernels.FLEX
+    return kernels.BLOCKWISE
+
+
+def attention_path(cfg, device):
+    """One line for the run's plan: which implementation of the core operations runs, e.g.
+    'kernel=fused: FlexAttention + SDPA (kernels.py), compiled, on cuda'."""
+    chosen, kind = ops(cfg.kernel, device), torch.device(device).type
+    how = ""
+    if chosen is kernels.FLEX:
+        how = ", compiled" if kind == "cuda" else ", uncompiled (no backward for q, k, v on CPU)"
+    return f"kernel={cfg.kernel}: {chosen.name}{how}, on {kind}"
 
 
 def gate_summary(gate):
@@ -75,11 +205,14 @@ def gate_summary(gate):
             "frac_gt_half": (g > 0.5).float().mean(0).tolist()}
 
 
-class CausalSelfAttention(nn.Module):
-    """`full`: softmax(q k^T / sqrt(d)) v over every j <= i — the baseline of all seeds
-    (validation loss 4.9266 at 134M on FineWeb, seeds 000/002/004).
 
-    The Qwen3 attention block around every variant: q, k, v, o projections without bias,
+# ---------------------------------------------------------------------------- the variants
+
+class CausalSelfAttention(nn.Module):
+    """`full`: softmax(q k^T / sqrt(d)) v over every j <= i — the baseline of every paper
+    (validation loss 4.9266 at 134M on FineWeb, reported by [DSA], [DSA-A] and [CAA]).
+
+    The [Qwen3] attention block around every variant: q, k, v, o projections without bias,
     grouped-query heads (`n_kv_head`), per-head RMSNorm on q and k *before* RoPE,
     scale 1/sqrt(head_dim).
     """
@@ -98,9 +231,10 @@ class CausalSelfAttention(nn.Module):
         self.record = False  # when True, `attend` keeps its gates in self.gates (for analysis)
         self.gates = {}
 
-    def forward(self, x_BTC, cos, sin, pos, cache=None):
-        """x: the block's normalized input (B, T, C); cos/sin: (T, D) for positions `pos` (T,).
-        With a `KVCache`, keys/values of earlier tokens are read from it and these appended."""
+    def forward(self, x_BTC, cos, sin, start, cache=None):
+        """x: the block's normalized input (B, T, C); cos/sin: (T, D) for positions start ..
+        start + T - 1 (`start` a Python int). With a `KVCache`, keys/values of earlier tokens
+        are read from it and these appended."""
         B, T, _ = x_BTC.shape
         q = self.q_proj(x_BTC).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(x_BTC).view(B, T, self.n_kv_head, self.head_dim)
@@ -108,25 +242,23 @@ class CausalSelfAttention(nn.Module):
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
-        k_pos = pos
+        k_start = start
         if self.record:
             self.gates = {}
         if cache is not None:
-            k, v, k_pos = cache.update(k, v, pos)  # (B, Hkv, S, D), S = cached + T
-        if self.cfg.kernel == "fused" and not self.record:
-            import kernels  # lazy: kernels.py builds on this file
-
-            y = kernels.attend(self, q, k, v, x_BTC, pos, k_pos)
-        else:
-            y = self.attend(q, k, v, x_BTC, pos, k_pos)  # (B, H, T, D)
+            k, v, k_start = cache.update(k, v, start)  # (B, Hkv, S, D), S = cached + T
+        y = self.attend(q, k, v, x_BTC, start, k_start)  # (B, H, T, D)
         if cache is not None:
-            cache.trim(self.oldest_key_needed(int(pos[-1]) + 1))
+            cache.trim(self.oldest_key_needed(start + T))
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
-    def attend(self, q, k, v, x, q_pos, k_pos):
-        k, v = expand_kv(k, self.n_head), expand_kv(v, self.n_head)
-        logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, S)
-        return masked_softmax_attend(logits, causal_mask(q_pos, k_pos), v)
+    def ops(self, device):
+        return ops(self.cfg.kernel, device)
+
+    def attend(self, q, k, v, x, q_start, k_start):
+        """(B, H, T, D) from q (B, H, T, D), k, v (B, Hkv, S, D), the block input x (B, T, C)
+        and the absolute positions of the first query and the first key (Python ints)."""
+        return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start)
 
     def oldest_key_needed(self, next_pos):
         """The smallest key position that any query at position >= next_pos can see."""
@@ -142,40 +274,41 @@ class CausalSelfAttention(nn.Module):
 
 
 class LocalAttention(CausalSelfAttention):
-    """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (Longformer-style sliding
-    window; the "Local" row of seed 004, validation loss 5.021). W = cfg.window (256)."""
+    """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (sliding window, as in
+    [Longformer]; the "Local" row of [CAA], validation loss 5.021). W = cfg.window (256)."""
 
-    def attend(self, q, k, v, x, q_pos, k_pos):
-        k, v = expand_kv(k, self.n_head), expand_kv(v, self.n_head)
-        logits = (q @ k.transpose(-2, -1)) * self.scale
-        return masked_softmax_attend(logits, causal_mask(q_pos, k_pos, self.cfg.window), v)
+    def attend(self, q, k, v, x, q_start, k_start):
+        return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window)
 
 
 class DynamicSparseAttention(CausalSelfAttention):
-    """`dsa`: dynamic head gating with an adaptive window (seeds 000, 001, 002; validation
-    loss 4.6498 in 000, 4.904 in 002).
+    """`dsa`: dynamic head gating with a local window ([DSA] and [DSA-A]).
 
-        g = sigmoid(W_g x + b_g)  in R^H per token        (000 §3.2, 002 §3.1)
+        g = sigmoid(W_g x + b_g)  in R^H per token        ([DSA] §3.2, [DSA-A] §3.1)
         y = W_o concat_h(g_h * o_h)
         o_h = softmax over j in window(i) of q_i k_j / sqrt(d), times v
 
-    window(i): all j <= i while the query's own context is short (i < dsa_threshold = 512),
-    i - W <= j <= i after that (002 §3.2, "for sequences longer than 512 tokens", applied per
-    query position so outputs never depend on later tokens). Ablations (002 Table 1):
-    dsa_gate=False (g = 1, "No Gating"); dsa_window='fixed' (always windowed), 'none'
-    (never windowed, "No Window").
+    The papers say, and the two configurations (`dsa_window`):
+      'fixed':    [DSA]'s configuration: every query windowed, i - W <= j <= i, W = 256.
+                  [DSA] reports validation loss 4.6498 with it.
+      'adaptive': [DSA-A]'s: windowed "for sequences longer than 512 tokens". This project
+                  applies the rule per query position (queries at positions < dsa_threshold
+                  = 512 see every earlier key), so outputs never depend on later tokens.
+                  [DSA-A] reports 4.904 with it. At seq_len T a share min(1, 512 / T) of the
+                  positions attends fully: half of them at T = 1024, all at T <= 512.
+      'none':     never windowed ([DSA-A] Table 1's "No Window" ablation).
+    dsa_gate=False sets g = 1 ([DSA-A]'s "No Gating").
 
-    Init: W_g = 0, b_g = 0, so g = 0.5 for every token and head: the variant starts as the
-    baseline with its output projection halved (no information lost), and the gate sits at
-    the sigmoid's steepest point, where it learns fastest.
+    This project's choice: init W_g = 0, b_g = 0, so g = 0.5 for every token and head: the
+    variant starts as the baseline with its output projection halved (no information lost),
+    and the gate sits at the sigmoid's steepest point, where it learns fastest.
     """
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        assert cfg.dsa_window in ("adaptive", "fixed", "none"), cfg.dsa_window
         if cfg.dsa_gate:
             self.head_gate = nn.Linear(cfg.d_model, cfg.n_head)
         self.init_gates()
@@ -185,58 +318,65 @@ class DynamicSparseAttention(CausalSelfAttention):
             nn.init.zeros_(self.head_gate.weight)
             nn.init.zeros_(self.head_gate.bias)
 
-    def window_mask(self, q_pos, k_pos):
-        if self.cfg.dsa_window == "none":
-            return causal_mask(q_pos, k_pos)
-        windowed = causal_mask(q_pos, k_pos, self.cfg.window)
-        if self.cfg.dsa_window == "fixed":
-            return windowed
-        short_context = (q_pos < self.cfg.dsa_threshold)[:, None]  # (T, 1): full attention
-        return windowed | (short_context & causal_mask(q_pos, k_pos))
+    def window(self):
+        """(window, window_from) for the core `attention` op."""
+        cfg = self.cfg
+        if cfg.dsa_window == "none":
+            return None, 0
+        return cfg.window, (cfg.dsa_threshold if cfg.dsa_window == "adaptive" else 0)
 
-    def attend(self, q, k, v, x, q_pos, k_pos):
-        k, v = expand_kv(k, self.n_head), expand_kv(v, self.n_head)
-        logits = (q @ k.transpose(-2, -1)) * self.scale
-        y = masked_softmax_attend(logits, self.window_mask(q_pos, k_pos), v)  # (B, H, T, D)
+    def attend(self, q, k, v, x, q_start, k_start):
+        window, window_from = self.window()
+        y = self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window, window_from)
         if not self.cfg.dsa_gate:
             return y
         g = torch.sigmoid(self.head_gate(x))  # (B, T, H)
         if self.record:
             self.gates["head_gate"] = g.detach()
-        return y * g.transpose(1, 2).unsqueeze(-1)
+        return y * g.transpose(1, 2).unsqueeze(-1).to(y.dtype)
 
     def oldest_key_needed(self, next_pos):
-        if self.cfg.dsa_window == "none":
+        window, window_from = self.window()
+        if window is None or next_pos < window_from:
             return 0
-        if self.cfg.dsa_window == "adaptive" and next_pos < self.cfg.dsa_threshold:
-            return 0
-        return max(0, next_pos - self.cfg.window)
+        return max(0, next_pos - window)
 
 
 class ASGAttention(CausalSelfAttention):
-    """`asga`: Adaptive Sparse-Geometric Attention (seed 003; validation loss 5.148).
+    """`asga`: Adaptive Sparse-Geometric Attention ([ASGA]; validation loss 5.148).
 
-        s_ij^h     = sigmoid(w2_h . GELU(W1_h [LN(q_i^h); LN(k_j^h)] + b1_h) + b2_h)   (003 eq. 1)
-        alpha_ij^h = softplus(gamma_h) * q_i^h . k_j^h / sqrt(d)                      (003 eq. 2)
-        y_i^h      = softmax_{j <= i}(alpha^h ⊙ s^h) v^h                              (003 eq. 3)
+    The paper says:
+        s_ij^h     = sigmoid(w2_h . GELU(W1_h [LN(q_i^h); LN(k_j^h)] + b1_h) + b2_h)   (eq. 1)
+        alpha_ij^h = softplus(gamma_h) * q_i^h . k_j^h / sqrt(d)                      (eq. 2)
+        y_i^h      = softmax_{j <= i}(alpha^h ⊙ s^h) v^h                              (eq. 3)
+    and ablates "fixed sparsity patterns" (5.087) and the geometric scale.
 
-    q and k are the post-norm, post-RoPE vectors the logits use. LN is LayerNorm over
-    head_dim without affine parameters (W1 follows, so a gain and bias would be absorbed
-    exactly). W1 [a; b] = W1a a + W1b b: the pair term is a per-query vector plus a per-key
-    vector, broadcast to (T, S, r) here and tiled in kernels.py. Hidden width r = asga_hidden.
-    Ablations (003 §4.2): asga_scale=False (softplus(gamma) = 1); asga_gate='fixed' (s = 1
-    inside the window W, 0 outside, multiplied into the logits exactly as the learned s is);
-    asga_gate='off' (s = 1). With both off this is `full` exactly.
+    What eq. 3 does: s in (0, 1) multiplies the logits, so it is a per-pair *temperature*,
+    not a sparsifier: a lower s pulls a logit toward 0, which *raises* the weight of a key
+    whose logit is negative (logit -3 among others at 0: weight 0.005 at s = 1, 0.024 at
+    s = 0.5, 0.100 at s = 0). It stays the default because it is the paper's equation.
+    asga_gate_space='prob' is this project's variant that does sparsify: the gate acts on
+    the probabilities, weights exp(alpha) * s renormalised, i.e. softmax(alpha + log s).
 
-    Init: softplus(gamma) = 1 (gamma = log(e - 1)), so the scale starts neutral; W1 ~ N(0, 1/D)
-    keeps the hidden pre-activations O(1); w2 ~ N(0, 0.02) and b2 = 0 start s at 0.5, nearly
-    input-independent, at the sigmoid's steepest point: a uniform temperature of 2 that the
-    q/k norm gains can absorb.
+    This project's choices: q and k are the post-norm, post-RoPE vectors the logits use; LN
+    is LayerNorm over head_dim without affine parameters (W1 follows, so a gain and bias would
+    be absorbed exactly); W1 [a; b] = W1a a + W1b b, so the pair term is a per-query vector
+    plus a per-key vector (`pair_terms`), never a (T, S, r) tensor outside the reference.
+    Hidden width r = asga_hidden. Ablations: asga_scale=False (softplus(gamma) = 1);
+    asga_gate='fixed' (a fixed mask: keys more than W back are excluded, the "fixed sparsity
+    patterns" row); asga_gate='off' (s = 1; with the scale off too this is `full` exactly).
+
+    Init (ours): softplus(gamma) = 1 (gamma = log(e - 1)), so the scale starts neutral;
+    W1 ~ N(0, 1/D) keeps the hidden pre-activations O(1); w2 ~ N(0, 0.02) and b2 = 0 start s
+    at 0.5, nearly input-independent, at the sigmoid's steepest point.
     """
+
+    # Query rows per chunk of the recorded gate statistic: a (B, H, rows, S, r) transient of
+    # at most RECORD_ELEMENTS elements, whatever T (see `record_pair_gate`).
+    RECORD_ELEMENTS = 1 << 20
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        assert cfg.asga_gate in ("learned", "fixed", "off"), cfg.asga_gate
         H, D, r = cfg.n_head, cfg.head_dim, cfg.asga_hidden
         if cfg.asga_scale:
             self.gamma = nn.Parameter(torch.empty(H))
@@ -259,96 +399,135 @@ class ASGAttention(CausalSelfAttention):
             nn.init.zeros_(self.b2)
 
     def pair_terms(self, q, k):
-        """The per-query and per-key halves of W1 [LN(q); LN(k)] + b1: (B,H,T,r), (B,H,S,r)."""
+        """The per-query and per-key halves of W1 [LN(q); LN(k)] + b1: (B,H,T,r), (B,H,S,r)
+        (k is expanded to the query heads first: W1 is per query head)."""
         D = q.shape[-1]
+        k = expand_kv(k, self.n_head)
         q_term = torch.einsum("bhtd,hdr->bhtr", F.layer_norm(q, (D,)), self.w1_q)
         k_term = torch.einsum("bhsd,hdr->bhsr", F.layer_norm(k, (D,)), self.w1_k)
         return q_term + self.b1[None, :, None, :], k_term
 
-    def attend(self, q, k, v, x, q_pos, k_pos):
-        k, v = expand_kv(k, self.n_head), expand_kv(v, self.n_head)
-        mask = causal_mask(q_pos, k_pos)
-        logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, S)
-        if self.cfg.asga_scale:
-            logits = logits * F.softplus(self.gamma)[None, :, None, None]
-        if self.cfg.asga_gate == "learned":
-            q_term, k_term = self.pair_terms(q, k)
-            hidden = F.gelu(q_term[:, :, :, None, :] + k_term[:, :, None, :, :])  # (B,H,T,S,r)
-            s = torch.sigmoid(hidden @ self.w2[None, :, None, :, None]
-                              + self.b2[None, :, None, None, None]).squeeze(-1)  # (B,H,T,S)
-            logits = logits * s
-        elif self.cfg.asga_gate == "fixed":
-            logits = logits * causal_mask(q_pos, k_pos, self.cfg.window).to(logits.dtype)
-        if self.record and self.cfg.asga_gate == "learned":
-            mean_s = (s * mask).sum(-1) / mask.sum(-1)  # (B, H, T): mean gate over visible keys
-            self.gates["pair_gate"] = mean_s.transpose(1, 2).detach()  # (B, T, H)
-        if self.record and self.cfg.asga_scale:
-            self.gates["scale"] = F.softplus(self.gamma).detach()[None, None, :]  # (1, 1, H)
-        return masked_softmax_attend(logits, mask, v)
+    def attend(self, q, k, v, x, q_start, k_start):
+        cfg, op = self.cfg, self.ops(q.device)
+        scale = self.scale  # alpha = softplus(gamma) q.k / sqrt(d): one scale per head
+        if cfg.asga_scale:
+            scale = F.softplus(self.gamma) * self.scale  # (H,)
+            if self.record:
+                self.gates["scale"] = F.softplus(self.gamma).detach()[None, None, :]  # (1, 1, H)
+        if cfg.asga_gate == "off":
+            return op.attention(q, k, v, scale, q_start, k_start)
+        if cfg.asga_gate == "fixed":
+            return op.attention(q, k, v, scale, q_start, k_start, window=cfg.window)
+        q_term, k_term = self.pair_terms(q, k)  # (B, H, T, r), (B, H, S, r)
+        if self.record:
+            self.gates["pair_gate"] = self.record_pair_gate(q_term, k_term, q_start, k_start)
+        return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
+                                       q_start, k_start, cfg.asga_gate_space)
+
+    def oldest_key_needed(self, next_pos):
+        return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
+
+    @torch.no_grad()
+    def record_pair_gate(self, q_term, k_term, q_start, k_start):
+        """(B, T, H): each query's mean gate s over its visible keys, computed a chunk of
+        query rows at a time. Memory bound: besides the (B, H, T, r) and (B, H, S, r) terms the
+        forward builds anyway, two (B, H, rows, S, r) transients at a time (the hidden units
+        and their w2-weighted copy) of at most max(RECORD_ELEMENTS, B*H*S*r) elements each:
+        4 MB each in float32 when RECORD_ELEMENTS binds; at T = 2048, B = 16 with the
+        qwen-134m shapes and r = 16 (one query row per chunk), 25 MB each. Not the
+        (B, H, T, S, r) pair tensor (at T = 2048 with the qwen-134m shapes and r = 16:
+        12 * 2048^2 * 16 * 4 bytes = 3.2 GB per sequence)."""
+        B, H, T, r = q_term.shape
+        S = k_term.shape[2]
+        rows = max(1, self.RECORD_ELEMENTS // (B * H * S * r))
+        out = []
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            s = torch.sigmoid(pair_gate_logit(q_term[:, :, t0:t1].float(), k_term.float(),
+                                              self.w2.float(), self.b2.float()))  # (B, H, rows, S)
+            mask = allowed(t1 - t0, S, q_start + t0, k_start, s.device)
+            out.append((s * mask).sum(-1) / mask.sum(-1))
+        return torch.cat(out, 2).transpose(1, 2)  # (B, T, H)
 
 
 class ContextAdaptiveAttention(CausalSelfAttention):
-    """`caa`: Context-Adaptive Attention (seed 004; validation loss 4.712, 2.1x memory).
+    """`caa`: Context-Adaptive Attention ([CAA]; validation loss 4.712, 2.1x memory).
 
-        y_i^h = g_h(x_i) Attn_L(i) + (1 - g_h(x_i)) Attn_G(i)                  (004 eq. 1)
-        g(x)  = sigmoid(W2 GELU(W1 x + b1) + b2)  in R^H   (2-layer MLP, width caa_hidden)
+        y_i^h = g_h(x_i) Attn_L(i) + (1 - g_h(x_i)) Attn_G(i)                  ([CAA] eq. 1)
 
-    Attn_L, local with an input-dependent width w_i = W + W' sigmoid(u . x_i) in [W, W + W']
-    (W = window = 256, W + W' = caa_window_max = 512; 004 §3.2): the logits get a soft,
-    differentiable boundary log sigmoid((w_i - (i - j)) / caa_tau), and keys more than
-    caa_window_max back are masked, so the branch stays local. Attn_G, top-k: query i keeps
-    its k_i = ceil(sqrt(i + 1)) highest-scoring keys among j <= i (k = O(sqrt(n)) applied per
-    query position) and takes the softmax over those alone. Both share q, k, v.
+    The paper says: local windows of "256-512 tokens (input-dependent)"; global attention
+    "top-k sparse with k = O(sqrt(n))"; the gate is a "2-layer MLP with sigmoid output";
+    and "gate gradients require careful normalization".
+
+    This project's choices (the paper gives no formula for any of them):
+    - the width: w_i = W + W' sigmoid(u . x_i) in [W, W + W'] (W = window = 256,
+      W + W' = caa_window_max = 512), made differentiable by a soft boundary: the local
+      logits get log sigmoid((w_i - (i - j)) / caa_tau), tau = 8 tokens, and keys more than
+      caa_window_max back are masked, so the branch stays local;
+    - top-k: k_i = ceil(sqrt(i + 1)) per query position (k = O(sqrt(n)) applied to each
+      query's own context), chosen among all keys j <= i, local ones included;
+    - the gate: g(x) = sigmoid(W2 GELU(W1 x + b1) + b2) in R^H, one gate per head, hidden
+      width caa_hidden; both branches share the q, k, v projections;
+    - the gate-gradient normalization: caa_gate_norm=True puts a LayerNorm (no affine) on the
+      gate MLP's hidden pre-activation, which bounds the scale of the gradient reaching W1 and
+      x whatever the input's scale. Not a rescaling of the gate parameters' gradient: under
+      AdamW, which divides each parameter's step by its own gradient RMS, that would change
+      nothing. Off by default (the paper's number was not made with a known form of it).
     Ablation/debug flags: caa_gate='local'|'global' forces g = 1|0; caa_topk='all' keeps
     every key (with caa_gate='global' this is `full` exactly).
 
-    Init: W2 ~ N(0, 0.02), b2 = 0 (g ~ 0.5, an even mix, at the sigmoid's steepest point; not
-    exactly 0 so that W1 gets a gradient from the first step); u = 0 and its bias 0, so every
-    width starts at the middle, W + W'/2 = 384.
+    Init (ours): W2 ~ N(0, 0.02), b2 = 0 (g ~ 0.5, an even mix, at the sigmoid's steepest
+    point; not exactly 0 so that W1 gets a gradient from the first step); u = 0 and its bias
+    0, so every width starts at the middle, W + W'/2 = 384.
     """
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        assert cfg.caa_gate in ("learned", "local", "global"), cfg.caa_gate
-        assert cfg.caa_topk in ("sqrt", "all"), cfg.caa_topk
-        assert cfg.caa_window_max >= cfg.window, "caa_window_max must be >= window"
-        self.mix_gate = nn.Sequential(nn.Linear(cfg.d_model, cfg.caa_hidden), nn.GELU(),
+        norm = nn.LayerNorm(cfg.caa_hidden, elementwise_affine=False) if cfg.caa_gate_norm else nn.Identity()
+        self.mix_gate = nn.Sequential(nn.Linear(cfg.d_model, cfg.caa_hidden), norm, nn.GELU(),
                                       nn.Linear(cfg.caa_hidden, cfg.n_head))
         self.width = nn.Linear(cfg.d_model, 1)
         self.init_gates()
 
     def init_gates(self):
         nn.init.normal_(self.mix_gate[0].weight, std=0.02)
-        nn.init.normal_(self.mix_gate[2].weight, std=0.02)
-        for p in (self.mix_gate[0].bias, self.mix_gate[2].bias, self.width.weight, self.width.bias):
+        nn.init.normal_(self.mix_gate[3].weight, std=0.02)
+        for p in (self.mix_gate[0].bias, self.mix_gate[3].bias, self.width.weight, self.width.bias):
             nn.init.zeros_(p)
 
-    def topk_mask(self, logits, q_pos, causal):
-        """(B, H, T, S) bool: the k_i highest-scoring visible keys of each query."""
-        if self.cfg.caa_topk == "all":
-            return causal.expand_as(logits)
-        k_i = torch.ceil(torch.sqrt(q_pos.float() + 1)).long()  # (T,)
-        order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
-        rank = order.argsort(dim=-1)  # rank of each key within its query's row
-        return (rank < k_i[:, None]) & causal  # & causal: never a future key, even if k_i > visible
+    def k_per_query(self, q_start, T, device):
+        """((T,) long k_i = ceil(sqrt(i + 1)) for positions i = q_start .., the largest as an int)."""
+        pos = torch.arange(q_start, q_start + T, device=device)
+        return torch.ceil(torch.sqrt(pos.double() + 1)).long(), math.isqrt(q_start + T - 1) + 1
 
-    def attend(self, q, k, v, x, q_pos, k_pos):
-        cfg = self.cfg
-        k, v = expand_kv(k, self.n_head), expand_kv(v, self.n_head)
-        logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, S)
-        causal = causal_mask(q_pos, k_pos)
-        width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(self.width(x))  # (B,T,1)
-        dist = (q_pos[:, None] - k_pos[None, :]).to(logits.dtype)  # (T, S)
-        boundary = F.logsigmoid((width - dist) / cfg.caa_tau)  # (B, T, S)
-        local = masked_softmax_attend(logits + boundary[:, None],
-                                      causal_mask(q_pos, k_pos, cfg.caa_window_max), v)
-        glob = masked_softmax_attend(logits, self.topk_mask(logits.detach(), q_pos, causal), v)
-        g = torch.sigmoid(self.mix_gate(x))  # (B, T, H)
+    def attend(self, q, k, v, x, q_start, k_start):
+        cfg, op = self.cfg, self.ops(q.device)
+        T = q.shape[2]
+        # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
+        local = glob = None
+        if cfg.caa_gate != "global":
+            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(self.width(x)[..., 0])  # (B, T)
+            if self.record:
+                self.gates["window"] = width.detach()[..., None]
+
+            def boundary(b, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
+                return F.logsigmoid((width[b, t] - dist) / cfg.caa_tau)
+
+            local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
+        if cfg.caa_gate != "local":
+            if cfg.caa_topk == "all":
+                glob = op.attention(q, k, v, self.scale, q_start, k_start)
+            else:
+                glob = op.topk_attention(q, k, v, self.scale, q_start, k_start, *self.k_per_query(q_start, T, q.device))
         if cfg.caa_gate != "learned":
-            g = torch.full_like(g, 1.0 if cfg.caa_gate == "local" else 0.0)
+            if self.record:
+                self.gates["mix_gate"] = torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
+                                                    device=q.device)
+            return glob if local is None else local
+        g = torch.sigmoid(self.mix_gate(x))  # (B, T, H)
         if self.record:
-            self.gates.update(mix_gate=g.detach(), window=width.detach())
-        g = g.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+            self.gates["mix_gate"] = g.detach()
+        g = g.transpose(1, 2).unsqueeze(-1).to(local.dtype)  # (B, H, T, 1)
         return g * local + (1 - g) * glob
 
 

@@ -1,80 +1,95 @@
-"""Fast, memory-lean paths for the attention variants: the same function as attention.py,
-without its (T, S) score matrices, nor asga's (T, S, r) pair tensor.
+"""Fused versions of attention.py's core attention operations, with the same signatures:
 
-`attend(module, q, k, v, x, q_pos, k_pos)` replaces `module.attend(...)` when
-`cfg.kernel == "fused"`. Plain PyTorch operations only, so the same code runs on CPU and GPU.
-Not used: torch.compile (on this CPU it gained 1.0-1.2x for 15-40 s of compiling) and
-FlexAttention (its backward raises NotImplementedError on CPU). On CUDA a FlexAttention
-block mask would be the natural next step for the windowed variants: not built, not measured.
+  attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None)
+  pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
+  topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
 
-How each part avoids the dense score matrix (q, k, v as in attention.py; G = B * H heads):
-- Full causal attention (`full`; `dsa` before its threshold or without a window; `asga` with
-  its gate off; `caa` with top-k 'all'): F.scaled_dot_product_attention, `is_causal` when
-  queries and keys are the same positions, an explicit (T, S) mask with a KV cache.
-- Windowed attention (`local`, `dsa`, `caa`'s local branch, `asga` fixed): `BandAttention`.
-  Queries are cut into blocks of Bq; block b sees a band of L = Bq + Wp keys (Wp = the window
-  rounded up to a multiple of Bq), a strided view of the keys (no copy). Blocks are processed
-  a cache-sized chunk at a time, FlashAttention-style: the forward keeps only its output,
-  the backward recomputes each chunk's scores (Dao et al. 2022). Time grows as T * (Bq + W),
-  memory as T * D. `caa`'s soft window boundary enters as an additive bias on the band,
-  whose gradient the backward returns.
-- `asga` fixed: s is 1 inside the window and 0 outside, so every causal key beyond the window
-  has logit exactly 0: together they act as one extra key with logit log(count) and value
-  their mean (a prefix sum of v); the rest is windowed attention. O(T * W), not O(T * S).
-- `asga` learned: `PairGatedAttention`. The gate is built one (query block x key chunk) tile
-  at a time, only for keys j <= i (the upper triangle is skipped), in reused buffers; the
-  forward keeps output and row log-sum-exp, the backward recomputes each tile once
-  (FlashAttention-2's loop). Memory O(T * (D + r)) kept, O(Bq * S) transient; time O(T^2 r).
-- `caa` top-k: `TopkAttention`. Per query block, dense scores pick each query's k_i keys;
-  only the chosen indices and probabilities, (T, max k_i) per head, are kept for backward.
-- `dsa`'s head gate and `caa`'s mixture multiply the kernels' outputs: (B, H, T, D) tensors,
-  no (T, S) one.
+(attention.py documents what each computes; the variants there call them.) Two sets:
 
-Falls back to `module.attend` (the reference) only where positions are not two contiguous
-runs with every query among the keys (never the case in Model), for a module whose type has
-no entry in `FUSED`, and for an instance whose `attend` was replaced. Decoding (T = 1) goes through the same fused code (with a trimmed
-window it is full causal attention over the cached keys). Verified in float32 on CPU only;
-under bf16 autocast on a GPU the kernels' softmax would run in bf16 where the reference's
-runs in float32 (not measured).
+FLEX, the GPU path (also forced on any device by kernel='flex'): plain causal attention
+through F.scaled_dot_product_attention (flash on CUDA); everything else through
+FlexAttention, compiled on CUDA: windows as block masks built once per shape and cached;
+dsa's threshold inside its mask; caa's soft window boundary as a score_mod bias; asga's
+pair gate as a score_mod over the captured per-query and per-key terms (never a (T, S, r)
+tensor); caa's top-k as a per-query threshold (found chunk by chunk without grad, so no
+(T, S) tensor is kept) applied in a score_mod. q, k, v enter in one dtype (the autocast
+dtype under autocast, so bf16 on a GPU); FlexAttention and SDPA keep their softmax
+statistics in float32. GQA through the kernels' own support (enable_gqa). On CPU,
+FlexAttention runs uncompiled and has no backward for q, k, v (torch raises); gradients
+of tensors a score_mod captures (the gates) it does compute. torch.compile of a whole model
+traces this path without a graph break (tests/test_kernels.py); on CPU, inductor's C++
+FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
+gate multiply, "no choices" for the asga and caa score_mods; `local` compiles and matches
+the reference to 2e-7), so CPU runs stay uncompiled.
+Compiled on a GPU (Triton templates): not yet run, no GPU was available.
 
-`python kernels.py [--quick] [--out PATH]` benchmarks reference, fused and causal SDPA side by
-side (see `benchmark`).
+BLOCKWISE, the CPU training path (kernel='fused' on CPU): plain PyTorch loops built for a
+few CPU cores, in float32 (autocast is switched off inside: CPU bf16 matmuls gain nothing
+here and the loops write into float32 buffers):
+- causal attention: SDPA, `is_causal` when queries and keys are the same positions.
+- windowed attention: `BandAttention`. Queries are cut into blocks of Bq; block b sees a band
+  of L = Bq + Wp keys (Wp = the window rounded up to a multiple of Bq), a strided view of the
+  keys (no copy). Blocks are processed a cache-sized chunk at a time, as in [Flash]: the
+  forward keeps only its output, the backward recomputes each chunk's scores. Time grows as
+  T * (Bq + W), memory as T * D. A bias enters as an addition on the band.
+- pair-gated attention: `PairGatedAttention`. The gate is built one (query block x key
+  chunk) tile at a time, only for keys j <= i, in reused buffers; the forward keeps output
+  and row log-sum-exp, the backward recomputes each tile once ([Flash]-2's loop). Memory
+  O(T * (D + r)) kept, O(Bq * S) transient; time O(T^2 r).
+- top-k attention: `TopkAttention`. Per query block, dense scores pick each query's k_i
+  keys; only the chosen indices and probabilities, (T, k_max) per head, are kept.
+
+Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
+of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
+The benchmark is benchmarks/attention.py.
 """
-import argparse
-import dataclasses
-import json
-import multiprocessing
-import os
-import resource
-import statistics
-import time
+from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
-
-from attention import (ASGAttention, CausalSelfAttention, ContextAdaptiveAttention,
-                       DynamicSparseAttention, LocalAttention, expand_kv)
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 NEG_INF = float("-inf")
+Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention")
 
 
-# ---------------------------------------------------------------------------- full causal
+def expand_kv(k_BHSD, n_head):
+    """Grouped-query attention for the blockwise path: repeat each key/value head."""
+    return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def key_offset(q, k, q_start, k_start):
+    """Keys before the first query (query t is key off + t); a clear error where the
+    queries are not the last keys."""
+    T, S = q.shape[2], k.shape[2]
+    if q_start + T != k_start + S or k_start > q_start:
+        raise ValueError(f"the fused attention paths need the queries to be the last keys: "
+                         f"q_start={q_start}, T={T}, k_start={k_start}, S={S}; use kernel='ref'")
+    return q_start - k_start
+
+
+# ---------------------------------------------------------------------------- full causal (both sets)
 
 def causal_attention(q, k, v, off, scale):
-    """(B, H, T, D): softmax over keys s <= off + t of q_t . k_s * scale, times v.
-    Query t sits at key index off + t (off = keys before the first query)."""
+    """(B, H, T, D): softmax over keys s <= off + t of q_t . k_s * scale, times v (SDPA, GQA
+    through enable_gqa). Query t sits at key index off + t."""
     T, S = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
     if off == 0 and S == T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if off + T == S and T == 1:  # decoding: the one query sees every cached key
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     # SDPA's is_causal aligns its mask top-left; with a KV cache the queries are the last
     # keys, so pass the (T, S) mask (T is small when there is a cache).
     mask = torch.arange(S, device=q.device) <= off + torch.arange(T, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-# ---------------------------------------------------------------------------- windowed
+# ---------------------------------------------------------------------------- BLOCKWISE: windowed
 
 class Band:
     """Geometry of windowed attention. Query t (block b = t // Bq, row a = t % Bq) sees key s
@@ -90,16 +105,16 @@ class Band:
         while bq * 2 <= min(self.BLOCK, window / 4):
             bq *= 2
         self.Bq = min(bq, T)
-        self.nb = -(-T // self.Bq)
+        self.nb = ceil_div(T, self.Bq)
         self.Tp = self.nb * self.Bq  # queries padded to whole blocks
-        self.n = -(-window // self.Bq)  # key blocks before the diagonal one
+        self.n = ceil_div(window, self.Bq)  # key blocks before the diagonal one
         self.Wp = self.n * self.Bq
         self.L = self.Bq + self.Wp
         self.R = (self.nb + self.n) * self.Bq  # keys one head's bands cover: [off - Wp, off + Tp)
         self.flat = off == 0
         blocks = G * self.nb if self.flat else self.nb  # what one chunk may span
         per_chunk = max(1, self.CHUNK // (self.Bq * self.L))
-        self.chunk = -(-blocks // -(-blocks // per_chunk))  # blocks per chunk, balanced
+        self.chunk = ceil_div(blocks, ceil_div(blocks, per_chunk))  # the fewest chunks, of equal size
         self.device = device
         self.dist = (torch.arange(self.Bq, device=device)[:, None] + self.Wp
                      - torch.arange(self.L, device=device))  # (Bq, L)
@@ -114,7 +129,7 @@ class Band:
         """(blocks, Bq, L) -inf for the first blocks' keys before s = 0 (rows t < T only:
         padded rows keep their in-window keys, whatever they hold, so no row is all -inf).
         No real query sees a key s >= S, since off + T <= S."""
-        blocks = min(self.nb, max(0, -(-(self.Wp - self.off) // self.Bq)))
+        blocks = min(self.nb, max(0, ceil_div(self.Wp - self.off, self.Bq)))
         b = torch.arange(blocks, device=self.device)[:, None, None]
         s = self.off + b * self.Bq - self.Wp + torch.arange(self.L, device=self.device)  # (blocks, 1, L)
         t = b * self.Bq + torch.arange(self.Bq, device=self.device)[:, None]  # (blocks, Bq, 1)
@@ -175,6 +190,7 @@ class Band:
     def bands(self, buf, i0, i1):
         """(i1 - i0, L, D) view: the bands of blocks i0 .. i1-1 (of one head, with a cache)."""
         D = buf.shape[-1]
+        # as_strided: consecutive bands overlap by Wp rows, which no view() can express
         return buf[self.row(i0):].as_strided((i1 - i0, self.L, D), (self.Bq * D, D, 1))
 
     def chunks(self):
@@ -210,62 +226,42 @@ class Band:
 
 class BandAttention(torch.autograd.Function):
     """softmax(q k^T + bias) v over each query block's band of keys (see `Band`), chunk by
-    chunk, FlashAttention-style (Dao et al. 2022): the forward keeps only its output (and,
-    with an extra key, each row's log-sum-exp), the backward recomputes each chunk's
-    probabilities, so no (T, L) tensor outlives a chunk; chunks reuse the same buffers
-    (fresh pages cost as much as the matmuls here).
+    chunk, as in [Flash]: the forward keeps only its output, the backward recomputes each
+    chunk's probabilities, so no (T, L) tensor outlives a chunk; chunks reuse the same
+    buffers (fresh pages cost as much as the matmuls here).
 
     q (G, T, D) already scaled; k, v (G, S, D); bias None (the window's mask only) or
-    (1 or B, nb, Bq, L), masking included, shared by the heads of a batch row. Optionally
-    one extra key per query, logit extra_logit (T,) (no gradient) and value extra_value
-    (G, T, D) (asga fixed)."""
+    (1 or B, nb, Bq, L), masking included, shared by the heads of a batch row."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, band, extra_logit=None, extra_value=None):
-        nb, Bq, L = band.nb, band.Bq, band.L
+    def forward(ctx, q, k, v, bias, band):
+        Bq, L = band.Bq, band.L
         qb = band.pad_queries(q)  # (G*nb, Bq, D)
         kbuf, vbuf = band.key_buffer(k), band.key_buffer(v)
         o = torch.empty_like(qb)
-        e = u = lse = None
-        if extra_logit is not None:
-            e = F.pad(extra_logit, (0, band.Tp - band.T), value=NEG_INF).view(nb, Bq, 1).repeat(band.G, 1, 1)
-            u, lse = band.pad_queries(extra_value), qb.new_empty(band.G * nb, Bq, 1)
         work, work_p = qb.new_empty(band.chunk, Bq, L), qb.new_empty(band.chunk, Bq, L)
         for i0, i1 in band.chunks():
-            i = slice(i0, i1)
-            s = band.scores(work[:i1 - i0], qb[i], kbuf, i0, i1, bias)
-            if e is None:  # torch's softmax: its exp is ~2x faster than exp_
-                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:i1 - i0])
-            else:  # one more key, logit e, value u: the softmax through its log-sum-exp
-                lse[i] = torch.logaddexp(torch.logsumexp(s, -1, keepdim=True), e[i])
-                p = s.sub_(lse[i]).exp_()
-            torch.bmm(p, band.bands(vbuf, i0, i1), out=o[i])
-            if e is not None:
-                o[i] += torch.exp(e[i] - lse[i]) * u[i]
+            s = band.scores(work[:i1 - i0], qb[i0:i1], kbuf, i0, i1, bias)
+            p = _softmax_into(s, work_p[:i1 - i0])
+            torch.bmm(p, band.bands(vbuf, i0, i1), out=o[i0:i1])
         ctx.band = band
-        ctx.save_for_backward(qb, kbuf, vbuf, o, bias, e, u, lse)
+        ctx.save_for_backward(qb, kbuf, vbuf, o, bias)
         return band.unpad(o)
 
     @staticmethod
     def backward(ctx, do):
         band = ctx.band
-        nb, Bq, L, D = band.nb, band.Bq, band.L, do.shape[-1]
-        qb, kbuf, vbuf, o, bias, e, u, lse = ctx.saved_tensors
+        Bq, L, D = band.Bq, band.L, do.shape[-1]
+        qb, kbuf, vbuf, o, bias = ctx.saved_tensors
         do = band.pad_queries(do)  # (G*nb, Bq, D)
-        delta = (do * o).sum(-1, keepdim=True)  # sum over keys of p * dp (FlashAttention's D)
+        delta = (do * o).sum(-1, keepdim=True)  # sum over keys of p * dp ([Flash]'s D)
         dq, dk, dv = torch.empty_like(qb), torch.zeros_like(kbuf), torch.zeros_like(vbuf)
         d_bias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
-        d_extra = torch.zeros_like(u) if u is not None and ctx.needs_input_grad[6] else None
         work, work_p, work_dp = (qb.new_empty(band.chunk, Bq, L) for _ in range(3))
         for i0, i1 in band.chunks():
             i = slice(i0, i1)
             s = band.scores(work[:i1 - i0], qb[i], kbuf, i0, i1, bias)  # the forward's, again
-            if e is None:
-                p = torch.ops.aten._softmax.out(s, -1, False, out=work_p[:i1 - i0])
-            else:
-                p = s.sub_(lse[i]).exp_()
-                if d_extra is not None:
-                    d_extra[i] = torch.exp(e[i] - lse[i]) * do[i]
+            p = _softmax_into(s, work_p[:i1 - i0])
             ds = torch.bmm(do[i], band.bands(vbuf, i0, i1).transpose(1, 2), out=work_dp[:i1 - i0])
             ds.sub_(delta[i]).mul_(p)  # d logits
             torch.bmm(ds, band.bands(kbuf, i0, i1), out=dq[i])
@@ -276,34 +272,17 @@ class BandAttention(torch.autograd.Function):
                 dk[rows].view(i1 - i0, Bq, D).baddbmm_(ds[..., cols].transpose(1, 2), qb[i])
             if d_bias is not None:
                 d_bias.view(-1, Bq, L).index_add_(0, band.bias_rows(bias, i0, i1), ds)
-        d_extra = None if d_extra is None else band.unpad(d_extra)
-        return band.unpad(dq), band.key_grad(dk), band.key_grad(dv), d_bias, None, None, d_extra
+        return band.unpad(dq), band.key_grad(dk), band.key_grad(dv), d_bias, None
 
 
-def windowed_attention(q, k, v, off, window, scale, bias_fn=None, beyond_window=False):
-    """(B, H, T, D): softmax over keys 0 <= off + t - s <= window of q_t . k_s * scale
-    (+ bias_fn(band), a (B, nb, Bq, L) addition to the logits), times v.
-    beyond_window: the keys farther back than the window count too, each with logit 0
-    (asga fixed); they enter as one extra key, logit log(count), value their mean."""
-    B, H, T, D = q.shape
-    S = k.shape[-2]
-    if window >= off + T - 1 and bias_fn is None:  # the window holds every causal key
-        return causal_attention(q, k, v, off, scale)
-    band = Band(B * H, T, S, off, window, q.device)
-    bias = None if bias_fn is None else band.mask_bias() + bias_fn(band)
-    extra = ()
-    if beyond_window:
-        # Keys s < off + t - window: prefix sums of v (float64, so long sums stay exact).
-        count = (off + torch.arange(T, device=q.device) - window).clamp(0, S)  # (T,)
-        prefix = v.flatten(0, 1).double().cumsum(1)  # (G, S, D)
-        total = prefix[:, (count - 1).clamp(min=0)]  # (G, T, D)
-        mean = (total / count.clamp(min=1)[:, None]).to(v.dtype)
-        extra = (count.to(q.dtype).log(), mean)  # log(0) = -inf: no such key
-    out = BandAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias, band, *extra)
-    return out.view(B, H, T, D)
+def _softmax_into(s, out):
+    """softmax over the last dim into a reused buffer. The private out= variant: the public
+    torch.softmax allocates, and a fresh (chunk, Bq, L) allocation per chunk cost as much
+    as the matmuls here (measured)."""
+    return torch.ops.aten._softmax.out(s, -1, False, out=out)
 
 
-# ---------------------------------------------------------------------------- asga learned
+# ---------------------------------------------------------------------------- BLOCKWISE: pair-gated
 
 def _mask_future_(logits, t0, off, c0=0):
     """logits (G, bq, c) of queries t0 + a and keys c0 + j: -inf where the key comes after
@@ -317,7 +296,8 @@ def _mask_future_(logits, t0, off, c0=0):
 
 
 class PairGatedAttention(torch.autograd.Function):
-    """y_i = softmax_{s <= off+i}(q_i . k_s * sigmoid(w2 . GELU(qt_i + kt_s) + b2)) v.
+    """y_i = softmax_{s <= off+i}(q_i . k_s * sigmoid(z_is)) v, z_is = w2 . GELU(qt_i + kt_s) + b2
+(prob=True: softmax of q_i . k_s + log sigmoid(z_is), the probability-space gate).
 
     q (G, T, D) already scaled (1/sqrt(d) and softplus(gamma)); k, v (G, S, D); qt (G, T, r),
     kt (G, S, r) the two halves of W1 [LN(q); LN(k)] + b1; w2 (G, r), b2 (G,).
@@ -345,11 +325,11 @@ class PairGatedAttention(torch.autograd.Function):
         shape = (G, r, t1 - t0, c1 - c0)
         n = shape[0] * shape[1] * shape[2] * shape[3]
         hidden = torch.add(qt_r[:, :, t0:t1, None], kt_r[:, :, None, c0:c1], out=buffers[0][:n].view(shape))
-        act = torch._C._nn.gelu(hidden, out=buffers[1][:n].view(shape))
+        act = torch.ops.aten.gelu.out(hidden, out=buffers[1][:n].view(shape))  # out=: no allocation per tile
         return hidden, act, torch.bmm(w2_row, act.view(G, r, -1)).view(G, t1 - t0, c1 - c0)
 
     @staticmethod
-    def forward(ctx, q, k, v, qt, kt, w2, b2, off):
+    def forward(ctx, q, k, v, qt, kt, w2, b2, off, prob):
         G, T, _ = q.shape
         S, r = k.shape[1], qt.shape[-1]
         qt_r, kt_r = qt.transpose(1, 2).contiguous(), kt.transpose(1, 2).contiguous()  # (G, r, T|S)
@@ -364,19 +344,20 @@ class PairGatedAttention(torch.autograd.Function):
             for c0 in range(0, K, chunk):
                 c1 = min(K, c0 + chunk)
                 z[:, :, c0:c1] = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)[2]
-            s = torch.sigmoid_(z.add_(b2[:, None, None]))
+            z.add_(b2[:, None, None])
             logits = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=rows[1][:z.numel()].view(z.shape))
-            logits = _mask_future_(logits.mul_(s), t0, off)
+            logits = logits.add_(F.logsigmoid(z)) if prob else logits.mul_(torch.sigmoid_(z))
+            logits = _mask_future_(logits, t0, off)
             lse[:, t0:t1] = torch.logsumexp(logits, -1, keepdim=True)
             o[:, t0:t1] = torch.bmm(logits.sub_(lse[:, t0:t1]).exp_(), v[:, :K])
-        ctx.off = off
+        ctx.off, ctx.prob = off, prob
         ctx.save_for_backward(q, k, v, qt_r, kt_r, w2, b2, o, lse)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, qt_r, kt_r, w2, b2, o, lse = ctx.saved_tensors
-        off = ctx.off
+        off, prob = ctx.off, ctx.prob
         G, T, _ = q.shape
         S, r = k.shape[1], qt_r.shape[1]
         w2_row, chunk = w2[:, None, :], PairGatedAttention._chunk(G, r)
@@ -393,31 +374,35 @@ class PairGatedAttention(torch.autograd.Function):
                 hidden, act, z = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)
                 s = torch.sigmoid(z.add_(b2[:, None, None]))  # (G, bq, c)
                 qk = torch.bmm(qb, k[:, c0:c1].transpose(1, 2))
-                p = _mask_future_(qk * s, t0, off, c0).sub_(lse[:, t0:t1]).exp_()
+                logits = qk + F.logsigmoid(z) if prob else qk * s
+                p = _mask_future_(logits, t0, off, c0).sub_(lse[:, t0:t1]).exp_()
                 dv[:, c0:c1] += torch.bmm(p.transpose(1, 2), dob)
                 dlogits = torch.bmm(dob, v[:, c0:c1].transpose(1, 2)).sub_(delta[:, t0:t1]).mul_(p)
-                dqk = dlogits * s
+                dqk = dlogits if prob else dlogits * s
                 dq[:, t0:t1] += torch.bmm(dqk, k[:, c0:c1])
                 dk[:, c0:c1] += torch.bmm(dqk.transpose(1, 2), qb)
-                dz = dlogits.mul_(qk).mul_(s).mul_(1 - s)  # d gate logit
+                # d gate logit: d log sigmoid(z) = 1 - s; d (qk * sigmoid(z)) = qk * s * (1 - s)
+                dz = dlogits.mul_(1 - s) if prob else dlogits.mul_(qk).mul_(s).mul_(1 - s)
                 db2 += dz.sum((1, 2))
                 dw2 += torch.bmm(act.view(G, r, -1), dz.view(G, -1, 1))
                 # d hidden / w2 = dz * GELU'(hidden); w2 is applied once, to the sums
+                # GELU's derivative times dz, into a reused buffer (the out= form of its backward)
                 dh = torch.ops.aten.gelu_backward.grad_input(dz[:, None].expand_as(hidden), hidden,
                                                              grad_input=buffers[2][:hidden.numel()].view(hidden.shape))
                 dqt_r[:, :, t0:t1] += dh.sum(-1)
                 dkt_r[:, :, c0:c1] += dh.sum(2)
         dqt = (dqt_r * w2[:, :, None]).transpose(1, 2)
         dkt = (dkt_r * w2[:, :, None]).transpose(1, 2)
-        return dq, dk, dv, dqt, dkt, dw2.view(G, r), db2, None
+        return dq, dk, dv, dqt, dkt, dw2.view(G, r), db2, None, None
 
 
-# ---------------------------------------------------------------------------- caa top-k
+# ---------------------------------------------------------------------------- BLOCKWISE: top-k
 
 class TopkAttention(torch.autograd.Function):
     """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v.
 
-    q (G, T, D) already scaled; k, v (G, S, D); k_per_query (T,) long. Per query block the
+    q (G, T, D) already scaled; k, v (G, S, D); k_per_query (T,) long, k_max >= all of
+    them (a Python int: no host sync to size the buffers). Per query block the
     dense scores pick the keys (topk) and give their logits; the probabilities are scattered
     into that block's (G, Bq, K) buffer for dense matmuls, which beat gathering the chosen
     keys on CPU. Saves only each query's chosen key indices and probabilities, (G, T, max k)."""
@@ -425,7 +410,7 @@ class TopkAttention(torch.autograd.Function):
     SCORES = 1 << 22  # elements of one block's (G, Bq, K) scores: 16 MB
 
     @staticmethod
-    def forward(ctx, q, k, v, k_per_query, off):
+    def forward(ctx, q, k, v, k_per_query, k_max, off):
         G, T, D = q.shape
         S = k.shape[1]
         o = torch.empty_like(q)
@@ -437,7 +422,7 @@ class TopkAttention(torch.autograd.Function):
             K = min(S, off + t1)
             scores = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=work[:G * (t1 - t0) * K].view(G, t1 - t0, K))
             scores = _mask_future_(scores, t0, off)
-            kmax = min(K, int(k_per_query[t0:t1].max()))
+            kmax = min(K, k_max)
             logits, idx = scores.topk(kmax, -1)  # (G, bq, kmax), best first
             rank_ok = torch.arange(kmax, device=q.device) < k_per_query[t0:t1, None]  # (bq, kmax)
             # A key after the query is never chosen, even where a row has fewer than k_t keys.
@@ -464,337 +449,234 @@ class TopkAttention(torch.autograd.Function):
             dense = work[:G * (t1 - t0) * K].view(shape).zero_().scatter_(-1, idx, p)
             dv[:, :K].baddbmm_(dense.transpose(1, 2), dob)
             dp = torch.bmm(dob, v[:, :K].transpose(1, 2), out=work_dp[:dense.numel()].view(shape)).gather(-1, idx)
-            dlogits = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)
+            dlogits = p * (dp - (dp * p).sum(-1, keepdim=True))  # softmax's backward
             dense.zero_().scatter_(-1, idx, dlogits)
             dq[:, t0:t1] = torch.bmm(dense, k[:, :K])
             dk[:, :K].baddbmm_(dense.transpose(1, 2), qb)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-# ---------------------------------------------------------------------------- the variants
 
-def _full(m, q, k, v, x, q_pos, off):
-    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
-    return causal_attention(q, k, v, off, m.scale)
+# ---------------------------------------------------------------------------- BLOCKWISE: the core ops
 
-
-def _local(m, q, k, v, x, q_pos, off):
-    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
-    return windowed_attention(q, k, v, off, m.cfg.window, m.scale)
+def _float32(*tensors):
+    """The blockwise loops run in float32 (see the module docstring)."""
+    return [t.float() for t in tensors]
 
 
-def _dsa(m, q, k, v, x, q_pos, off):
-    cfg = m.cfg
-    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
-    T = q.shape[2]
-    if cfg.dsa_window == "none":
-        y = causal_attention(q, k, v, off, m.scale)
-    elif cfg.dsa_window == "fixed":
-        y = windowed_attention(q, k, v, off, cfg.window, m.scale)
-    else:  # adaptive: queries at positions < dsa_threshold attend to every earlier key
-        split = min(T, max(0, cfg.dsa_threshold - int(q_pos[0])))
+def _scaled(q, scale):
+    """q * scale, scale a float or one per head (H,): the blockwise loops take q pre-scaled."""
+    return q * (scale.float()[None, :, None, None] if torch.is_tensor(scale) else scale)
+
+
+def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
+    """attention.attention: SDPA where no window binds, `BandAttention` where one does."""
+    with torch.autocast(q.device.type, enabled=False):
+        off = key_offset(q, k, q_start, k_start)
+        B, H, T, D = q.shape
+        q, k, v = _float32(_scaled(q, scale), expand_kv(k, H), expand_kv(v, H))
+        scale = 1.0
+        # queries before window_from see every earlier key (dsa's adaptive window)
+        split = T if window is None else min(T, max(0, window_from - q_start))
         parts = []
         if split > 0:
-            parts.append(causal_attention(q[:, :, :split], k[:, :, :off + split], v[:, :, :off + split],
-                                          off, m.scale))
+            parts.append(_banded(q[:, :, :split], k[:, :, :off + split], v[:, :, :off + split],
+                                 off, None, scale, bias, 0))
         if split < T:
-            parts.append(windowed_attention(q[:, :, split:], k, v, off + split, cfg.window, m.scale))
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-    if not cfg.dsa_gate:
-        return y
-    g = torch.sigmoid(m.head_gate(x))  # (B, T, H)
-    return y * g.transpose(1, 2).unsqueeze(-1)
+            parts.append(_banded(q[:, :, split:], k, v, off + split, window, scale, bias, split))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
-def _asga(m, q, k, v, x, q_pos, off):
-    cfg = m.cfg
+def _banded(q, k, v, off, window, scale, bias, t0):
+    """Causal (window None) or windowed attention of q (queries t0 .. of the caller) with an
+    optional bias(b, t, dist), evaluated on the band's geometry."""
     B, H, T, D = q.shape
-    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
-    if cfg.asga_scale:  # alpha = softplus(gamma) q.k / sqrt(d): fold the scale into q
-        qs = q * (F.softplus(m.gamma) * m.scale)[None, :, None, None]
+    if window is None or window >= off + T - 1:
+        if bias is None:
+            return causal_attention(q, k, v, off, scale)
+        window = off + T - 1  # a band holding every causal key
+    band = Band(B * H, T, k.shape[2], off, window, q.device)
+    bias_BnbBqL = None
+    if bias is not None:  # bias(b, t, dist) on (B, nb, Bq, L); padded query rows reuse row T-1
+        b = torch.arange(B, device=q.device)[:, None, None, None]
+        t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, band.nb, band.Bq, 1)
+        bias_BnbBqL = band.mask_bias() + bias(b, t, band.dist).float()
+    out = BandAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias_BnbBqL, band)
+    return out.view(B, H, T, D)
+
+
+def blockwise_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start,
+                                   gate_space="logit"):
+    """attention.pair_gated_attention through `PairGatedAttention`."""
+    with torch.autocast(q.device.type, enabled=False):
+        off = key_offset(q, k, q_start, k_start)
+        B, H, T, D = q.shape
+        q, k, v, q_term, k_term, w2, b2 = _float32(_scaled(q, scale), expand_kv(k, H), expand_kv(v, H),
+                                                   q_term, k_term, w2, b2)
+        y = PairGatedAttention.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                     q_term.flatten(0, 1), k_term.flatten(0, 1), w2.repeat(B, 1),
+                                     b2.repeat(B), off, gate_space == "prob")
+        return y.view(B, H, T, D)
+
+
+def blockwise_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """attention.topk_attention through `TopkAttention`."""
+    with torch.autocast(q.device.type, enabled=False):
+        off = key_offset(q, k, q_start, k_start)
+        B, H, T, D = q.shape
+        q, k, v = _float32(q, expand_kv(k, H), expand_kv(v, H))
+        y = TopkAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                k_per_query, k_max, off)
+        return y.view(B, H, T, D)
+
+
+BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attention,
+                blockwise_pair_gated_attention, blockwise_topk_attention)
+
+
+# ---------------------------------------------------------------------------- FLEX: the core ops
+
+_compiled_flex = None
+_block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask
+MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bounded
+
+
+def _run_flex(q, k, v, score_mod, block_mask, scale):
+    """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores); inside an
+    outer torch.compile the plain function is traced into that graph instead."""
+    global _compiled_flex
+    fn = flex_attention
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _same_dtype(*tensors):
+    """FlexAttention and SDPA want q, k, v of one dtype: the autocast dtype under autocast
+    (RMSNorm and RoPE hand back float32 q, k beside a bf16 v), else the widest."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
     else:
-        qs = q * m.scale
-    if cfg.asga_gate == "off":
-        return causal_attention(qs, k, v, off, 1.0)
-    if cfg.asga_gate == "fixed":
-        return windowed_attention(qs, k, v, off, cfg.window, 1.0, beyond_window=True)
-    q_term, k_term = m.pair_terms(q, k)  # (B, H, T, r), (B, H, S, r)
-    y = PairGatedAttention.apply(qs.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                 q_term.flatten(0, 1), k_term.flatten(0, 1),
-                                 m.w2.repeat(B, 1), m.b2.repeat(B), off)
-    return y.view(B, H, T, D)
+        dtype = tensors[0].dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return [t.to(dtype) for t in tensors]
 
 
-def _caa(m, q, k, v, x, q_pos, off):
-    cfg = m.cfg
+def block_mask(T, S, q_start, k_start, window, window_from, device):
+    """FlexAttention's block mask of `allowed` (causal, windowed for queries at positions
+    >= window_from), built once per shape and cached (rebuilt in a compiled graph, where
+    building it is part of the graph)."""
+    def mask_mod(b, h, i, j):
+        dist = (q_start + i) - (k_start + j)
+        keep = dist >= 0
+        if window is not None:
+            near = dist <= window
+            if window_from > 0:
+                near = near | (q_start + i < window_from)
+            keep = keep & near
+        return keep
+
+    if torch.compiler.is_compiling():
+        return create_block_mask(mask_mod, None, None, T, S, device=device)
+    key = (T, S, q_start, k_start, window, window_from, str(device))
+    if key not in _block_masks:
+        if len(_block_masks) >= MAX_CACHED_MASKS:
+            _block_masks.clear()
+        _block_masks[key] = create_block_mask(mask_mod, None, None, T, S, device=device)
+    return _block_masks[key]
+
+
+def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
+    """attention.attention: flash SDPA where no window, bias or per-head scale applies,
+    else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
+    T, S = q.shape[2], k.shape[2]
+    q, k, v = _same_dtype(q, k, v)
+    scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
+    if window is not None and (window >= q_start + T - 1 - k_start or q_start + T - 1 < window_from):
+        window = None  # no query of this call is ever cut by the window
+    if window is None and bias is None and head_scale is None:
+        return causal_attention(q, k, v, key_offset(q, k, q_start, k_start), scale)
+    score_mod = None
+    if bias is not None or head_scale is not None:
+        def score_mod(score, b, h, i, j):
+            if head_scale is not None:  # a per-head scale, captured (it may need a gradient)
+                score = score * head_scale[h]
+            if bias is not None:
+                score = score + bias(b, i, (q_start + i) - (k_start + j))
+            return score
+    mask = block_mask(T, S, q_start, k_start, window, window_from, q.device)
+    return _run_flex(q, k, v, score_mod, mask, scale)
+
+
+def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
+    """attention.pair_gated_attention: the gate is a score_mod reading the captured per-query
+    and per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention,
+    not even one (T, S) score tile outlives its block)."""
+    T, S = q.shape[2], k.shape[2]
+    q, k, v = _same_dtype(q, k, v)
+    r = q_term.shape[-1]
+    scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
+
+    def gate(score, b, h, i, j):
+        if head_scale is not None:
+            score = score * head_scale[h]
+        # [ASGA] eq. 1, one hidden unit at a time: pointwise, as a score_mod must be
+        z = b2[h]
+        for c in range(r):
+            z = z + w2[h, c] * F.gelu(q_term[b, h, i, c] + k_term[b, h, j, c])
+        return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
+
+    return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
+
+
+# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 256 MB on a GPU,
+# where fewer, larger chunks also keep a compiled graph short (the loop is unrolled in it).
+TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 26)
+
+
+@torch.no_grad()
+def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
+    """(B, H, T) float32: a logit between each query's k_i-th and (k_i + 1)-th highest visible
+    score (-inf where it sees at most k_i keys), so `score >= threshold` keeps exactly its
+    top k_i. The midpoint, not the k_i-th score itself, so that FlexAttention's own
+    rounding of the same score cannot flip the choice. Scores exist a chunk of query rows
+    at a time (GQA through a view: each key head's queries in one matmul)."""
     B, H, T, D = q.shape
-    k, v = expand_kv(k, m.n_head), expand_kv(v, m.n_head)
-    # A forced gate (g = 1 or 0) skips the branch it multiplies by zero; that branch's own
-    # parameters then get no gradient (None) where the reference gives zeros.
-    local = glob = None
-    if cfg.caa_gate != "global":
-        width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(m.width(x))  # (B, T, 1)
-
-        def boundary(band):  # log sigmoid((w_i - (i - j)) / tau) on the band, (B, nb, Bq, L)
-            w = F.pad(width[..., 0], (0, band.Tp - band.T)).view(B, band.nb, band.Bq, 1)
-            return F.logsigmoid((w - band.dist.to(w.dtype)) / cfg.caa_tau)
-
-        local = windowed_attention(q, k, v, off, cfg.caa_window_max, m.scale, bias_fn=boundary)
-    if cfg.caa_gate != "local":
-        if cfg.caa_topk == "all":
-            glob = causal_attention(q, k, v, off, m.scale)
-        else:
-            k_per_query = torch.ceil(torch.sqrt(q_pos.float() + 1)).long()  # as in topk_mask
-            glob = TopkAttention.apply((q * m.scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                       k_per_query, off).view(B, H, T, D)
-    if local is None or glob is None:
-        return glob if local is None else local
-    g = torch.sigmoid(m.mix_gate(x)).transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
-    return g * local + (1 - g) * glob
+    Hkv, S = k.shape[1], k.shape[2]
+    rows = max(1, TOPK_SCORES.get(q.device.type, 1 << 22) // (B * H * S))
+    kk = min(k_max + 1, S)
+    out = []
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        qc = q[:, :, t0:t1].float().view(B, Hkv, H // Hkv, t1 - t0, D)
+        scores = (qc @ k.float()[:, :, None].transpose(-2, -1)).view(B, H, t1 - t0, S) * scale
+        dist = (q_start + t0 + torch.arange(t1 - t0, device=q.device)[:, None]
+                - k_start - torch.arange(S, device=q.device))
+        top = scores.masked_fill(dist < 0, NEG_INF).topk(kk, -1).values  # (B, H, rows, kk)
+        k_i = k_per_query[t0:t1].view(1, 1, -1, 1).expand(B, H, -1, 1)
+        kth = top.gather(-1, (k_i - 1).clamp(max=kk - 1))
+        after = top.gather(-1, k_i.clamp(max=kk - 1)).masked_fill(k_i >= kk, NEG_INF)
+        out.append(torch.where(after > NEG_INF, (kth + after) / 2, NEG_INF)[..., 0])
+    return torch.cat(out, 2)
 
 
-FUSED = {
-    CausalSelfAttention: _full,
-    LocalAttention: _local,
-    DynamicSparseAttention: _dsa,
-    ASGAttention: _asga,
-    ContextAdaptiveAttention: _caa,
-}
+def flex_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """attention.topk_attention: a per-query threshold (`topk_threshold`, no gradient: the
+    choice of keys is not differentiable) applied by a score_mod, then causal FlexAttention."""
+    T, S = q.shape[2], k.shape[2]
+    q, k, v = _same_dtype(q, k, v)
+    threshold = topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max)
+
+    def keep_top(score, b, h, i, j):
+        return torch.where(score >= threshold[b, h, i], score, NEG_INF)
+
+    return _run_flex(q, k, v, keep_top, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
 
 
-def key_offset(q_pos, k_pos):
-    """off such that query t sits at key index off + t, or None if the positions are not two
-    contiguous runs with every query among the keys."""
-    T, S = len(q_pos), len(k_pos)
-    p0, k0 = int(q_pos[0]), int(k_pos[0])
-    off = p0 - k0
-    if off < 0 or off + T > S:
-        return None
-    if not (torch.equal(q_pos, torch.arange(p0, p0 + T, device=q_pos.device))
-            and torch.equal(k_pos, torch.arange(k0, k0 + S, device=k_pos.device))):
-        return None
-    return off
-
-
-def attend(module, q, k, v, x, q_pos, k_pos):
-    """The fused equivalent of `module.attend(q, k, v, x, q_pos, k_pos)`: (B, H, T, D)."""
-    # Only for the exact classes, and not where an instance's `attend` was replaced (a spy, as
-    # in analyze.py): a fused path computes its class's `attend`, nobody else's.
-    fn = None if "attend" in vars(module) else FUSED.get(type(module))
-    off = key_offset(q_pos, k_pos) if fn is not None else None
-    if off is None:
-        return module.attend(q, k, v, x, q_pos, k_pos)
-    return fn(module, q, k, v, x, q_pos, off)
-
-
-# ---------------------------------------------------------------------------- benchmark
-
-BENCH = dict(B=1, H=8, D=64, d_model=512, window=256)
-VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa")
-# The reference's peak memory in units of one fp32 (B, H, T, T) score matrix, plus asga's
-# (B, H, T, T, r) pair tensors: measured with this benchmark at T = 1024 and 2048 (3.3 for
-# full/local/dsa, 8.8 for caa, 3.1 pair tensors for asga) and rounded up. Used only to skip a
-# reference that cannot fit in the memory budget; the row then says OOM, with the prediction.
-REF_SCORES = dict(full=4, local=4, dsa=4.5, asga=4, caa=10)
-REF_PAIRS = dict(asga=3.5)
-
-
-def predicted_ref_bytes(variant, T, r=16):
-    scores = BENCH["B"] * BENCH["H"] * T * T * 4
-    attn = parse_variant(variant)[0]
-    return scores * (REF_SCORES[attn] + REF_PAIRS.get(attn, 0) * r)
-
-
-def parse_variant(spec):
-    """'dsa' or 'dsa:dsa_window=fixed,dsa_gate=False' -> ('dsa', {flag: typed value})."""
-    from model import ModelConfig
-
-    attn, _, rest = spec.partition(":")
-    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    flags = {}
-    for item in filter(None, rest.split(",")):
-        key, value = item.split("=")
-        flags[key] = value == "True" if types[key] is bool else types[key](value)
-    return attn, flags
-
-
-def _rss_kb(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-
-def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
-    """Runs in a freshly forked process. Time: forward + backward, the median of the runs
-    after the first. Memory: the peak resident set (VmHWM, reset through /proc/self/clear_refs
-    once the inputs exist) minus the resident set at that moment: everything the forward and
-    backward held at once (saved tensors, transients, gradients), as the OS saw it. A run at
-    T = 256 first pages in the code and thread pools, which would otherwise count."""
-    try:
-        from attention import VARIANTS
-        from model import ModelConfig
-
-        torch.set_num_threads(threads)
-        if limit_bytes:  # allocations past the budget raise (reported as OOM), not the OOM killer
-            with open("/proc/self/statm") as f:
-                vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            resource.setrlimit(resource.RLIMIT_AS, (vm + limit_bytes, vm + limit_bytes))
-        torch.manual_seed(0)
-        attn, flags = parse_variant(variant)
-        cfg = ModelConfig(n_head=BENCH["H"], n_kv_head=BENCH["H"], head_dim=BENCH["D"],
-                          d_model=BENCH["d_model"], window=BENCH["window"], attn=attn, **flags)
-        module = VARIANTS[attn](cfg)
-        for p in module.parameters():
-            p.data.normal_(0, 0.1)
-        B, H, D = BENCH["B"], BENCH["H"], BENCH["D"]
-
-        def case(n):
-            q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))
-            x = torch.randn(B, n, BENCH["d_model"], requires_grad=True)
-            pos, cotangent = torch.arange(n), torch.randn(B, H, n, D)
-            fn = {"ref": lambda: module.attend(q, k, v, x, pos, pos),
-                  "fused": lambda: attend(module, q, k, v, x, pos, pos),
-                  "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[path]
-
-            def step():
-                t = time.perf_counter()
-                fn().backward(cotangent)
-                for tensor in (q, k, v, x, *module.parameters()):
-                    tensor.grad = None
-                return time.perf_counter() - t
-            return step
-
-        case(min(T, 256))()
-        step = case(T)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak resident set to the current one
-        base = _rss_kb("VmRSS:")
-        warmup, runs = step(), []
-        while len(runs) < 5 and not (runs and sum(runs) > budget_s and (len(runs) >= 2 or runs[0] > budget_s / 2)):
-            runs.append(step())
-        times = [warmup] + runs
-        conn.send(dict(ms=1e3 * statistics.median(runs), runs=len(runs),
-                       peak_mb=(_rss_kb("VmHWM:") - base) / 1024, all_ms=[round(1e3 * t, 1) for t in times]))
-    except Exception as e:  # noqa: BLE001 - reported in the row; an allocation failure is OOM
-        message = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        conn.send(dict(oom=isinstance(e, MemoryError) or "allocate" in message, error=message))
-
-
-def benchmark(lengths, variants, threads, budget_s, max_bytes, paths=("ref", "fused", "sdpa")):
-    """[row]: one per (variant, T, path): the attention core alone (the module's `attend`,
-    `kernels.attend`, or causal SDPA on the same q, k, v), forward + backward with a random
-    cotangent, module parameters random. Each row is measured alone in a forked child process
-    (see `_measure`), the three paths of a (variant, T) one after the other so that they
-    share the machine's load. A reference predicted past max_bytes is not run: its row says
-    oom, with the prediction; one that fails to allocate says oom too.
-
-    threads: torch's intra-op threads. On a 2-core machine shared with other jobs, 2 threads
-    make every op wait for a descheduled OpenMP thread: the same case measured 0.14 s and 7 s
-    minutes apart. 1 thread gives repeatable numbers there."""
-    ctx = multiprocessing.get_context("fork")  # the parent never runs torch ops: fork is safe
-    rows = []
-    for T in lengths:
-        for variant in variants:
-            for path in paths:
-                row = dict(variant=variant, T=T, path=path, threads=threads, torch=torch.__version__, **BENCH)
-                if path == "ref" and predicted_ref_bytes(variant, T) > max_bytes:
-                    row.update(ms=None, peak_mb=None, oom=True,
-                               error=f"predicted {predicted_ref_bytes(variant, T) / 2**30:.0f} GiB "
-                                     f"> {max_bytes / 2**30:.0f} GiB budget")
-                else:
-                    recv, send = ctx.Pipe(duplex=False)
-                    child = ctx.Process(target=_measure, args=(variant, T, path, threads, budget_s,
-                                                               max_bytes, send))
-                    child.start()
-                    child.join()
-                    result = recv.recv() if recv.poll() else dict(
-                        oom=child.exitcode == -9, error=f"child exited with {child.exitcode}")
-                    row.update(dict(ms=None, peak_mb=None), **result)
-                rows.append(row)
-                shown = "OOM" if row.get("oom") else f"{row['ms']:9.1f} ms {row['peak_mb']:8.1f} MB"
-                print(f"  {variant} T={T} {path} {shown}", flush=True)
-    return rows
-
-
-def table(rows):
-    """Markdown table: per variant and T, the three paths and the fused path's ratios."""
-    get = {(r["variant"], r["T"], r["path"]): r for r in rows}
-    fmt = lambda x, f: "—" if x is None else f.format(x)  # noqa: E731
-    lines = ["| variant | T | ref ms | fused ms | SDPA ms | ref/fused time | SDPA/fused time "
-             "| ref MB | fused MB | SDPA MB | ref/fused mem | fused x time, x mem vs T/2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        for T in sorted({r["T"] for r in rows if r["variant"] == variant}):
-            ref, fused, sdpa = (get.get((variant, T, p), {}) for p in ("ref", "fused", "sdpa"))
-            half = get.get((variant, T // 2, "fused"), {})
-            ratio = lambda a, b: None if a.get("ms") is None or b.get("ms") is None else a["ms"] / b["ms"]  # noqa: E731
-            mem = lambda a, b: None if a.get("peak_mb") is None or b.get("peak_mb") is None else a["peak_mb"] / max(b["peak_mb"], 1.0)  # noqa: E731
-            growth = "—" if ratio(fused, half) is None else f"{ratio(fused, half):.2f}x, {mem(fused, half):.2f}x"
-            lines.append(" | ".join([
-                f"| {variant}", str(T), "OOM" if ref.get("oom") else fmt(ref.get("ms"), "{:.0f}"),
-                fmt(fused.get("ms"), "{:.0f}"), fmt(sdpa.get("ms"), "{:.0f}"),
-                fmt(ratio(ref, fused), "{:.1f}x"), fmt(ratio(sdpa, fused), "{:.1f}x"),
-                "OOM" if ref.get("oom") else fmt(ref.get("peak_mb"), "{:.0f}"),
-                fmt(fused.get("peak_mb"), "{:.0f}"), fmt(sdpa.get("peak_mb"), "{:.0f}"),
-                fmt(mem(ref, fused), "{:.1f}x"), growth]) + " |")
-    return "\n".join(lines)
-
-
-def targets(rows):
-    """Issue 4's targets, checked against the rows that exist: [line]."""
-    get = {(r["variant"], r["T"], r["path"]): r.get("ms") for r in rows}
-    mem = {(r["variant"], r["T"], r["path"]): r.get("peak_mb") for r in rows}
-    checks = []
-
-    def check(what, value, ok):
-        if value is not None:
-            checks.append(f"{'met ' if ok(value) else 'MISSED'} {what}: {value:.2f}")
-
-    def ratio(table, a, b):
-        return None if table.get(a) is None or table.get(b) is None else table[a] / table[b]
-
-    check("local T=8192 SDPA/fused time (>= 6)", ratio(get, ("local", 8192, "sdpa"), ("local", 8192, "fused")), lambda x: x >= 6)
-    check("local T=8192 ref/fused time (>= 12)", ratio(get, ("local", 8192, "ref"), ("local", 8192, "fused")), lambda x: x >= 12)
-    check("local T=8192 ref/fused memory (>= 8)", ratio(mem, ("local", 8192, "ref"), ("local", 8192, "fused")), lambda x: x >= 8)
-    for variant in ("local", "dsa"):  # the fused windowed paths
-        check(f"{variant} fused time 8192/4096 (<= 2.3)", ratio(get, (variant, 8192, "fused"), (variant, 4096, "fused")), lambda x: x <= 2.3)
-        check(f"{variant} fused memory 8192/4096 (<= 2.3)", ratio(mem, (variant, 8192, "fused"), (variant, 4096, "fused")), lambda x: x <= 2.3)
-    check("asga T=2048 ref/fused time (>= 2)", ratio(get, ("asga", 2048, "ref"), ("asga", 2048, "fused")), lambda x: x >= 2)
-    check("asga T=2048 fused/ref memory (<= 0.1)", ratio(mem, ("asga", 2048, "fused"), ("asga", 2048, "ref")), lambda x: x <= 0.1)
-    check("asga T=8192 fused runs, seconds", None if get.get(("asga", 8192, "fused")) is None
-          else get[("asga", 8192, "fused")] / 1e3, lambda x: True)
-    return checks
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a reduced grid, under a minute")
-    parser.add_argument("--out", help="write the raw rows to this JSON file")
-    parser.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",")])
-    parser.add_argument("--variants", type=lambda s: s.split(";"),
-                        help="';'-separated, each a name with optional flags: 'dsa:dsa_window=fixed;caa'")
-    parser.add_argument("--paths", type=lambda s: s.split(","), default=["ref", "fused", "sdpa"])
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op threads (1: repeatable on a shared machine, see `benchmark`)")
-    parser.add_argument("--budget", type=float, default=20.0, help="seconds of runs per case, roughly")
-    parser.add_argument("--max-gb", type=float, help="memory one case may use (default: 60%% of available)")
-    args = parser.parse_args()
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    max_bytes = int(args.max_gb * 2**30) if args.max_gb else int(0.6 * available)
-    lengths = args.lengths or ([512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
-    variants = args.variants or list(VARIANT_NAMES)
-    budget = 0.5 if args.quick else args.budget
-    print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
-          f"B={BENCH['B']} H={BENCH['H']} D={BENCH['D']} W={BENCH['window']} fp32, forward+backward, "
-          f"memory budget {max_bytes / 2**30:.1f} GiB", flush=True)
-    rows = benchmark(lengths, variants, args.threads, budget, max_bytes, args.paths)
-    print(table(rows))
-    print("\n".join(targets(rows)))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+FLEX = Ops("FlexAttention + SDPA (kernels.py)", flex_attention_op, flex_pair_gated_attention,
+           flex_topk_attention)

@@ -35,11 +35,12 @@ class ModelConfig:
     # attention variant and its settings (attention.py documents each)
     attn: str = "full"
     window: int = 256  # a query at i sees keys i - window .. i in windowed variants
-    kernel: str = "fused"  # 'ref': attention.py as written; 'fused': kernels.py
+    kernel: str = "fused"  # ref: attention.py as written; fused: best for the device; flex (attention.ops)
     dsa_gate: bool = True
-    dsa_window: str = "adaptive"  # adaptive | fixed | none
+    dsa_window: str = "adaptive"  # adaptive ([DSA-A], 4.904) | fixed ([DSA], W=256 always, 4.6498) | none
     dsa_threshold: int = 512  # adaptive: windowed only for query positions >= this
-    asga_gate: str = "learned"  # learned | fixed | off
+    asga_gate: str = "learned"  # learned | fixed (a mask: keys beyond the window excluded) | off
+    asga_gate_space: str = "logit"  # logit: softmax(alpha * s) ([ASGA] eq. 3) | prob: softmax(alpha + log s) (ours)
     asga_scale: bool = True
     asga_hidden: int = 16
     caa_gate: str = "learned"  # learned | local | global (forced)
@@ -47,20 +48,31 @@ class ModelConfig:
     caa_hidden: int = 64
     caa_window_max: int = 512
     caa_tau: float = 8.0  # softness, in tokens, of the local branch's window boundary
+    caa_gate_norm: bool = False  # LayerNorm on the gate MLP's hidden layer (attention.py says why)
+
+    CHOICES = dict(kernel=("ref", "fused", "flex"), dsa_window=("adaptive", "fixed", "none"),
+                   asga_gate=("learned", "fixed", "off"), asga_gate_space=("logit", "prob"),
+                   caa_gate=("learned", "local", "global"), caa_topk=("sqrt", "all"))
 
     def __post_init__(self):
         if self.attn not in VARIANTS:
             raise ValueError(f"unknown attention variant {self.attn!r}; valid: {', '.join(VARIANTS)}")
-        if self.kernel not in ("ref", "fused"):
-            raise ValueError(f"kernel must be 'ref' or 'fused', not {self.kernel!r}")
+        for name, valid in self.CHOICES.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of: {', '.join(valid)}")
+        if self.attn == "caa" and self.caa_window_max < self.window:
+            raise ValueError(f"caa_window_max={self.caa_window_max} must be >= window={self.window}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
 
-# Named sizes. qwen-134m: the seeds' model (12 layers, 12 heads of 64, d_model 768), MLP width
-# chosen so the tied-embedding count is ~134M; small: ~16M, trains at ~800 tok/s on 2 CPU cores.
+# Named sizes. qwen-134m: this project's choice of a 134M-parameter Qwen3 (12 layers, 12 heads
+# of 64, d_model 768, MLP width set so the tied-embedding count is ~134M), matching the
+# parameter count the papers state. The papers' own shapes differ (short names as in
+# attention.py's references): [DSA] 12 heads of 128; [DSA-A] d_model 1536, FFN 8960, 28 layers,
+# ~1.4B parameters. small: ~16M, trains at ~800 tok/s on 2 CPU cores.
 PRESETS = {
     "tiny": dict(n_layer=2, n_head=4, n_kv_head=4, head_dim=16, d_model=64, mlp_hidden=192),
     # bytes: the CPU default (train.py's cpu preset) on byte shards, ~0.9M parameters; the
@@ -94,37 +106,43 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, pos, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, cache)
+    def forward(self, x, cos, sin, start, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class KVCache:
-    """One layer's keys (post-norm, post-RoPE) and values, with their positions.
+    """One layer's keys (post-norm, post-RoPE) and values, for the positions start .. end - 1
+    (Python ints: nothing is read back from the device).
 
     After each step the attention layer trims what no later query can see
     (`oldest_key_needed`), so windowed variants keep a rolling cache of at most `window` keys
     between steps (window + 1 while a query attends)."""
 
     def __init__(self):
-        self.k = self.v = self.pos = None
+        self.k = self.v = None
+        self.start = self.end = 0
 
-    def update(self, k, v, pos):
+    def update(self, k, v, start):
+        """Append keys/values (B, Hkv, T, D) of positions start ..; returns all cached keys,
+        values and the position of the first."""
+        if start != self.end:
+            raise ValueError(f"the cache holds positions up to {self.end}, not {start}: feed tokens in order")
         if self.k is None:
-            self.k, self.v, self.pos = k, v, pos
+            self.k, self.v, self.start = k, v, start
         else:
             self.k = torch.cat([self.k, k], dim=2)  # (B, Hkv, S, D)
             self.v = torch.cat([self.v, v], dim=2)
-            self.pos = torch.cat([self.pos, pos])
-        return self.k, self.v, self.pos
+        self.end = start + k.shape[2]
+        return self.k, self.v, self.start
 
     def trim(self, oldest):
-        keep = self.pos >= oldest
-        if not bool(keep.all()):
-            self.k, self.v, self.pos = self.k[:, :, keep], self.v[:, :, keep], self.pos[keep]
+        if oldest > self.start:
+            self.k, self.v = self.k[:, :, oldest - self.start:], self.v[:, :, oldest - self.start:]
+            self.start = oldest
 
     def __len__(self):
-        return 0 if self.pos is None else len(self.pos)
+        return self.end - self.start
 
 
 class Model(nn.Module):
@@ -160,14 +178,12 @@ class Model(nn.Module):
         """idx (B, T) token ids -> (logits (B, T, V) float32, mean cross-entropy or None).
         With `cache` (from `new_cache()`), idx continues the tokens already cached."""
         B, T = idx.shape
-        start = 0  # position of idx[:, 0]: right after the last cached token, if any
-        if cache is not None and len(cache[0]):
-            start = int(cache[0].pos[-1]) + 1
+        start = 0 if cache is None else cache[0].end  # position of idx[:, 0], a Python int
         pos = torch.arange(start, start + T, device=idx.device)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos.to(x.dtype), sin.to(x.dtype), pos, None if cache is None else cache[i])
+            x = layer(x, cos.to(x.dtype), sin.to(x.dtype), start, None if cache is None else cache[i])
         logits = self.lm_head(self.norm(x)).float()
         loss = None
         if targets is not None:

@@ -216,9 +216,9 @@ def test_attention_weights_are_what_attend_applies(name):
     idx = torch.randint(0, 64, (2, 20))
     seen = analyze.capture_attend_inputs(model, idx, layer=1)
     attn = model.layers[1].self_attn
-    w = analyze.attention_weights(attn, seen["q"], seen["k"], seen["x"], seen["q_pos"], seen["k_pos"])
+    w = analyze.attention_weights(attn, seen["q"], seen["k"], seen["x"], seen["q_start"], seen["k_start"])
     assert w.shape == (2, 4, 20, 20)
-    y = attn.attend(seen["q"], seen["k"], seen["v"], seen["x"], seen["q_pos"], seen["k_pos"])
+    y = attn.attend(seen["q"], seen["k"], seen["v"], seen["x"], seen["q_start"], seen["k_start"])
     v = seen["v"].repeat_interleave(2, dim=1)  # (B, H, S, D)
     torch.testing.assert_close(w @ v, y)  # the weights reproduce the layer's output
     assert torch.all(w.triu(1) == 0)  # causal

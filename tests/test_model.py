@@ -1,12 +1,14 @@
 """The model and the reference attention variants (issue 2): causality, exact windows,
 reductions to `full`, top-k counts, gate gradients, learning, odd lengths, and parity with
 Hugging Face's Qwen3."""
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from attention import VARIANTS, causal_mask, rope_cos_sin
+import attention
+from attention import VARIANTS, allowed, rope_cos_sin, topk_mask
 from conftest import requires_gpt2
 from model import PRESETS, Model, ModelConfig
 
@@ -21,6 +23,8 @@ CONFIGS = [
     ("local", {}),
     *[("dsa", dict(dsa_gate=g, dsa_window=w)) for g in (True, False) for w in ("adaptive", "fixed", "none")],
     *[("asga", dict(asga_gate=g, asga_scale=s)) for g in ("learned", "fixed", "off") for s in (True, False)],
+    ("asga", dict(asga_gate="learned", asga_gate_space="prob")),
+    ("caa", dict(caa_gate_norm=True)),
     *[("caa", dict(caa_gate=g, caa_topk=k)) for g in ("learned", "local", "global") for k in ("sqrt", "all")],
 ]
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
@@ -48,7 +52,7 @@ def make_attention(attn, seed=0, **overrides):
 def run_attention(module, cfg, x):
     pos = torch.arange(x.shape[1])
     cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
-    return module(x, cos, sin, pos)
+    return module(x, cos, sin, 0)
 
 
 def perturb_after(idx, t, vocab=SMALL_VOCAB):
@@ -76,6 +80,7 @@ def test_causal_and_prefix_invariant(attn, overrides):
 
 @pytest.mark.parametrize("attn,overrides,query", [
     ("local", {}, 30),
+    ("asga", dict(asga_gate="fixed"), 30),
     ("dsa", dict(dsa_window="fixed"), 30),
     ("dsa", dict(dsa_window="adaptive", dsa_threshold=20), 30),
 ])
@@ -130,10 +135,10 @@ def test_caa_global_branch_keeps_ceil_sqrt_keys():
     those keys' values reach its output."""
     module, cfg = make_attention("caa", caa_gate="global")
     T = 70
-    q_pos = torch.arange(T)
+    k_per_query, _ = module.k_per_query(0, T, "cpu")
     logits = torch.randn(1, cfg.n_head, T, T)
-    causal = causal_mask(q_pos, q_pos)
-    keep = module.topk_mask(logits, q_pos, causal)
+    causal = allowed(T, T, 0, 0, "cpu")
+    keep = topk_mask(logits, causal, k_per_query)
     expected = torch.tensor([math.ceil(math.sqrt(i + 1)) for i in range(T)])
     assert torch.equal(keep.sum(-1), expected.expand(1, cfg.n_head, T))
     assert not (keep & ~causal).any()
@@ -148,15 +153,15 @@ def test_caa_global_branch_keeps_ceil_sqrt_keys():
     x = torch.randn(1, T, cfg.d_model)
     with torch.no_grad():
         scores = (q @ k.transpose(-2, -1)) * module.scale
-        keep = module.topk_mask(scores, q_pos, causal)
-        base = module.attend(q, k, v, x, q_pos, q_pos)
+        keep = topk_mask(scores, causal, k_per_query)
+        base = module.attend(q, k, v, x, 0, 0)
         i, h = 60, 0
         dropped = (~keep[0, h, i] & causal[i]).nonzero()[0].item()
         kept = keep[0, h, i].nonzero()[0].item()
         for j, moves in [(dropped, False), (kept, True)]:
             v2 = v.clone()
             v2[0, h, j] += 1.0
-            diff = (module.attend(q, k, v2, x, q_pos, q_pos)[0, h, i] - base[0, h, i]).abs().max()
+            diff = (module.attend(q, k, v2, x, 0, 0)[0, h, i] - base[0, h, i]).abs().max()
             assert (diff > 1e-4) if moves else (diff == 0)
 
 
@@ -224,10 +229,12 @@ def test_bad_config_names_the_valid_choices():
         ModelConfig(attn="flash")
     with pytest.raises(ValueError, match="n_kv_head"):
         ModelConfig(n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="asga_gate_space='probability' is not one of: logit, prob"):
+        ModelConfig(asga_gate_space="probability")
 
 
 def test_qwen_134m_parameter_count():
-    """The seeds' model size, counted the way `python model.py` prints it."""
+    """The papers' stated model size, counted the way `python model.py` prints it."""
     with torch.device("meta"):
         n = Model(ModelConfig(**PRESETS["qwen-134m"])).num_params()
     assert 130e6 <= n <= 140e6, n
@@ -259,3 +266,91 @@ def test_matches_huggingface_qwen3(n_kv_head):
     with torch.no_grad():
         diff = (hf(idx).logits - ours(idx)[0]).abs().max()
     assert diff < 1e-5, diff
+
+
+def one_layer(attn, **flags):
+    torch.manual_seed(0)
+    cfg = dict(PRESETS["tiny"], vocab_size=SMALL_VOCAB, n_layer=1, attn=attn, **dict(WINDOWS, **flags))
+    model = Model(ModelConfig(**cfg)).eval()
+    for name, p in model.named_parameters():
+        if "self_attn" in name and "proj" not in name and "norm" not in name:
+            p.data.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("attn,flags,moves", [
+    ("asga", dict(asga_gate="fixed"), False),
+    ("asga", dict(asga_gate="learned"), True),
+    ("full", {}, True),
+])
+def test_asga_fixed_gate_is_a_mask(attn, flags, moves):
+    """One layer, so the receptive field is the window: with asga_gate='fixed' a token more
+    than W back cannot change the output at i; with the learned gate and with `full` it does."""
+    model = one_layer(attn, **flags)
+    idx = torch.randint(0, SMALL_VOCAB, (1, 30), generator=torch.Generator().manual_seed(7))
+    i, W = 29, WINDOWS["window"]
+    other = idx.clone()
+    other[0, i - W - 1] = (idx[0, i - W - 1] + 1) % SMALL_VOCAB
+    with torch.no_grad():
+        diff = (model(other)[0][0, i] - model(idx)[0][0, i]).abs().max()
+    assert (diff > 1e-5) if moves else (diff == 0), diff
+
+
+@pytest.mark.parametrize("kernel", ["ref", "fused", "flex"])
+def test_asga_probability_space_gate(kernel):
+    """asga_gate_space='prob': the weights are exp(alpha) * s renormalised (checked against a
+    direct computation through v = identity), and with s = 1 it equals the default."""
+    module, cfg = make_attention("asga", asga_gate="learned", asga_gate_space="prob", kernel=kernel)
+    T = cfg.head_dim  # v = identity: the fused paths want values as wide as queries
+    g = torch.Generator().manual_seed(8)
+    q, k = (torch.randn(1, cfg.n_head, T, cfg.head_dim, generator=g) for _ in range(2))
+    x = torch.randn(1, T, cfg.d_model, generator=g)
+    eye = torch.eye(T).expand(1, cfg.n_kv_head, T, T)
+    with torch.no_grad():
+        weights = module.attend(q, k, eye, x, 0, 0)  # (1, H, T, T): the mixing weights
+        alpha = (q @ k.transpose(-2, -1)) * module.scale * torch.nn.functional.softplus(module.gamma)[None, :, None, None]
+        s = torch.sigmoid(attention.pair_gate_logit(*module.pair_terms(q, k), module.w2, module.b2))
+        direct = torch.exp(alpha - alpha.max()) * s * allowed(T, T, 0, 0, "cpu")
+        direct = direct / direct.sum(-1, keepdim=True)
+        assert (weights - direct).abs().max() < 1e-5
+        assert (weights.sum(-1) - 1).abs().max() < 1e-5
+        module.b2.fill_(100.0)  # s = sigmoid(100 + ...) = 1 in float32
+        module.w2.zero_()
+        prob = module.attend(q, k, eye, x, 0, 0)
+        module.cfg = dataclasses.replace(module.cfg, asga_gate_space="logit")
+        logit = module.attend(q, k, eye, x, 0, 0)
+    assert (prob - logit).abs().max() < 1e-6
+
+
+def test_dsa_configurations_masks():
+    """dsa_window='fixed' ([DSA]): every query windowed; 'adaptive' ([DSA-A]): queries at
+    positions < dsa_threshold see every earlier key, later ones the window; 'none': causal."""
+    T, W, threshold = 40, 6, 20
+    masks = {}
+    for mode in ("fixed", "adaptive", "none"):
+        module, cfg = make_attention("dsa", dsa_window=mode, window=W, dsa_threshold=threshold)
+        window, window_from = module.window()
+        masks[mode] = allowed(T, T, 0, 0, "cpu", window, window_from)
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    assert torch.equal(masks["fixed"], (j <= i) & (i - j <= W))
+    assert torch.equal(masks["none"], j <= i)
+    assert torch.equal(masks["adaptive"], (j <= i) & ((i - j <= W) | (i < threshold)))
+
+
+def test_forward_reads_no_tensor_back(monkeypatch):
+    """Positions are Python ints: a forward, cached or not, never converts a tensor to a
+    Python number (a host sync on a GPU). Checked by making those conversions fail."""
+    model = make_model("dsa", dsa_threshold=10)
+    cache = model.new_cache()
+    idx = torch.randint(0, SMALL_VOCAB, (1, 20))
+
+    def read_back(self, *args):
+        raise AssertionError("a tensor was read back to the host")
+
+    for name in ("__int__", "__index__", "__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    with torch.no_grad():
+        model(idx[:, :12], cache=cache)
+        model(idx[:, 12:13], cache=cache)
+        model(idx)

@@ -22,7 +22,7 @@ VARIANTS = {
     "caa": dict(attn="caa", caa_window_max=16),
 }
 # Variants whose cache must roll: query position from which it holds <= window (+1 in a step).
-ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16}
+ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16, "asga_fixed": 0}  # asga fixed: a window mask
 
 
 def tiny_model(seed=0, vocab=128, **kw):
@@ -46,9 +46,9 @@ def test_cached_greedy_equals_recomputed_greedy(name, monkeypatch):
     seen = []  # (query position, cached keys while attending) for every layer and step
     update = model_module.KVCache.update
 
-    def spy(self, k, v, pos):
-        out = update(self, k, v, pos)
-        seen.append((int(pos[-1]), len(self)))
+    def spy(self, k, v, start):  # start: the first new key's position, a Python int
+        out = update(self, k, v, start)
+        seen.append((start + k.shape[2] - 1, len(self)))
         return out
 
     monkeypatch.setattr(model_module.KVCache, "update", spy)
