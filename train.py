@@ -69,7 +69,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
-from attention import VARIANTS
+from attention import VARIANTS, attention_path
 from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint
 
 # ----------------------------------------------------------------------------- configuration
@@ -128,7 +128,7 @@ TRAIN_PRESETS = {
     # 0.9M-parameter `bytes` model. On the FineWeb slice: val 1.84 nats per byte against a
     # unigram baseline of 3.25, samples made of English words (assets/sample_cpu.txt); 580 s
     # of CPU time, i.e. about 5 minutes on 2 idle cores (measured on a loaded machine: 21 min).
-    "cpu": dict(model="bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
+    "cpu": dict(model="bytes", data_dir="data/bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
                 warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250),
     "qwen-134m": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
                       total_batch_tokens=2**19, lr=6e-4, warmup_steps=200, max_steps=5000,
@@ -262,7 +262,7 @@ def model_config(tc, overrides):
     if overrides.get("attn", "full") not in VARIANTS:
         fail(f"unknown --attn={overrides['attn']}; valid attention variants: {', '.join(VARIANTS)}")
     try:  # the data folder's tokenizer sets the vocabulary, unless --vocab_size does
-        n_ids = data.tokenizer_of(tc.data_dir)[1]
+        n_ids = data.tokenizer_of(tc.data_dir)[1] if os.path.isdir(tc.data_dir) else PRESETS[tc.model].get("vocab_size", 50257)
         overrides = {"vocab_size": -(-n_ids // 64) * 64, **overrides}  # a multiple of 64: 50257 -> 50304
         data.check_vocab(tc.data_dir, overrides["vocab_size"])
     except data.ShardError as e:
@@ -339,12 +339,6 @@ def fit_batch(tc, world, typed):
 
 # ----------------------------------------------------------------------------- plan
 
-def attention_path_line(mc, device):
-    """Which attention code runs, in one line. (To be replaced by attention.py's own
-    description of the kernel path when it has one.)"""
-    return f"{mc.attn}, {mc.kernel} kernels ({'kernels.py' if mc.kernel == 'fused' else 'attention.py as written'}) on {device}"
-
-
 def train_tokens_found(data_dir):
     """(train tokens in data_dir's shards, None) or (None, why there are none); reads only
     the shard headers."""
@@ -360,8 +354,10 @@ def print_plan(tc, mc, run, accum, resumed):
         n_params = Model(mc).num_params()
     planned = tc.max_steps * tc.total_batch_tokens
     found, problem = train_tokens_found(tc.data_dir)
-    shards = math.ceil(planned / SHARD_TOKENS)
-    make = f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={shards}"
+    if mc.vocab_size <= 256:  # a byte-level model: FineWeb text read as bytes
+        make = f"python data.py --tokenizer=byte --source=fineweb --out_dir={tc.data_dir} --max_tokens={planned}"
+    else:  # GPT-2 tokens: the public pre-tokenized shards
+        make = f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={math.ceil(planned / SHARD_TOKENS)}"
     if found is None:
         data_line = f"no shards found at {tc.data_dir}" + (f" ({problem})" if "does not exist" not in problem else "")
     else:
@@ -373,7 +369,7 @@ def print_plan(tc, mc, run, accum, resumed):
         f"device      {run['device']} x {run['world']} process(es)" + (" (dry run)" if tc.dry_run else ""),
         f"precision   {precision}",
         f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
-        f"attention   {attention_path_line(mc, run['device'])}",
+        f"attention   {mc.attn}, {attention_path(mc, run['device'])}",
         f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
         f"x {run['world']} process(es) x {accum} accumulation",
         f"steps       {tc.max_steps:,}" + (f" (this job stops after {tc.stop_step:,})" if tc.stop_step else "")
