@@ -352,10 +352,132 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         return g * local + (1 - g) * glob
 
 
+# ---------------------------------------------------------------------------- combiner
+
+def combiner_summaries(qbar, k_blocks, v_blocks, scale):
+    """One span per completed block r (Combiner-Fixed, Ren et al. 2021, §3.2 eqs. 8-9):
+
+        kbar_r = max_{j in r} k_j                                  (elementwise)
+        vbar_r = sum_{j in r} softmax_j(qbar_r . k_j * scale) v_j  (no causal mask inside r)
+
+    qbar (B, H, R, D): the elementwise max of each block's queries; k_blocks, v_blocks
+    (B, Hkv, R, s, D). Returns kbar (B, Hkv, R, D) and vbar (B, H, R, D): vbar depends on the
+    query head through qbar, so it has H heads even with grouped-query attention. Memory
+    O(R * s) per head: this is already the fused path's computation (kernels.py uses it)."""
+    B, H, R, D = qbar.shape
+    Hkv = k_blocks.shape[1]
+    kbar = k_blocks.amax(dim=3)  # (B, Hkv, R, D)
+    qbar = qbar.view(B, Hkv, H // Hkv, R, D)  # the query heads that share each key head
+    logits = torch.einsum("bkgrd,bkrsd->bkgrs", qbar, k_blocks) * scale  # (B, Hkv, g, R, s)
+    p = torch.softmax(logits.float(), dim=-1).to(v_blocks.dtype)
+    vbar = torch.einsum("bkgrs,bkrsd->bkgrd", p, v_blocks)  # (B, Hkv, g, R, D)
+    return kbar, vbar.reshape(B, H, R, D)
+
+
+def to_blocks(x_BHTD, before, block, fill):
+    """(B, H, T, D) -> (B, H, n, s, D): `before` rows of `fill`, the T rows, then `fill` up to
+    a whole number n of blocks of s rows."""
+    T = x_BHTD.shape[2]
+    after = -(before + T) % block
+    x = F.pad(x_BHTD, (0, 0, before, after), value=fill)
+    return x.view(*x.shape[:2], (before + T + after) // block, block, x.shape[-1])
+
+
+def combiner_reference(q, k, v, kbar, vbar, q_pos, k_pos, block, scale):
+    """y_i = sum_{j direct} p_ij v_j + sum_{r < block(i)} p_ir vbar_r, one softmax over
+    logits q_i . k_j * scale (j in i's block, j <= i) and q_i . kbar_r * scale (r < block(i))
+    (Combiner §3.1 eqs. 4-5: attention as the expectation under one factorized p(j | i)).
+    Written as plain attention over keys [k; kbar] and values [v; vbar] with one mask; this
+    materialises (T, S + R) logits, on purpose (kernels.py does not).
+    q (B, H, T, D); k, v (B, Hkv, S, D); kbar (B, Hkv, R, D) and vbar (B, H, R, D) for
+    blocks 0 .. R-1."""
+    n_head, R = q.shape[1], kbar.shape[2]
+    keys = expand_kv(torch.cat([k, kbar], dim=2), n_head)  # (B, H, S + R, D)
+    values = torch.cat([expand_kv(v, n_head), vbar], dim=2)  # (B, H, S + R, D)
+    q_block, k_block = q_pos // block, k_pos // block  # (T,), (S,)
+    direct = causal_mask(q_pos, k_pos) & (k_block[None, :] == q_block[:, None])  # (T, S)
+    span = torch.arange(R, device=q.device)[None, :] < q_block[:, None]  # (T, R)
+    logits = (q @ keys.transpose(-2, -1)) * scale  # (B, H, T, S + R)
+    return masked_softmax_attend(logits, torch.cat([direct, span], dim=1), values)
+
+
+class CombinerAttention(CausalSelfAttention):
+    """`combiner`: Combiner-Fixed, causal (Ren et al., "Combiner: Full Attention Transformer
+    with Sparse Computation Cost", NeurIPS 2021, arXiv 2107.05768; the "Sparse [Combiner]"
+    row of seed 004, validation loss 4.904). Every earlier token is reached, directly or
+    through one summary per block:
+
+        direct(i) = {j : block(j) = block(i), j <= i},  block(i) = floor(i / s)
+        kbar_r = max_{j in r} k_j,   qbar_r = max_{j in r} q_j            (elementwise)
+        vbar_r = sum_{j in r} softmax_j(qbar_r . k_j / sqrt(d)) v_j
+        y_i = softmax over [q_i . k_j / sqrt(d) for j in direct(i);
+                            q_i . kbar_r / sqrt(d) for r < block(i)]  applied to [v_j; vbar_r]
+
+    The paper says: the positions are partitioned into s-sized spans (Combiner-Fixed, §3.2),
+    the query's own span is attended directly and causally, each earlier span through a
+    max-pooled key and a value that is the span's own attention output (eqs. 8-9; google-
+    research `combiner/`, `sqrt_fixed_full`, causal=True). The block is *aligned*, not a
+    sliding window: a token at the start of a block sees only itself directly, plus the
+    summaries of all earlier blocks. s = cfg.window (256). No parameters beyond q, k, v, o.
+    Cost O(T (s + T/s)) time and memory (kernels.py), O(T sqrt T) at s ~ sqrt T.
+
+    This project's choice: with a KV cache, `cache.state` holds kbar, vbar of every completed
+    block and the running max of the queries of the last token's block, and the cache keeps
+    that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.cache = None  # the KVCache of the forward pass running now, if any (see forward)
+
+    def forward(self, x_BTC, cos, sin, pos, cache=None):
+        if cache is None:
+            return super().forward(x_BTC, cos, sin, pos)
+        self.cache = cache  # `summaries` reads and extends the block summaries it holds
+        try:
+            return super().forward(x_BTC, cos, sin, pos, cache)
+        finally:
+            self.cache = None
+
+    def summaries(self, q, k, v, q_start, k_start):
+        """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
+        query: those cached (KVCache.state) and those completed since, from the keys in k.
+        Queries sit at positions q_start.., keys at k_start.., both runs ending together."""
+        s, T = self.cfg.window, q.shape[2]
+        state = {} if self.cache is None else self.cache.state
+        n = state["kbar"].shape[2] if state else 0  # blocks already summarised
+        R = (q_start + T - 1) // s
+        if k_start > n * s or (not state and q_start > n * s):
+            raise ValueError(f"combiner needs every earlier block (queries from {q_start}, keys "
+                             f"from {k_start}, block {s}): run from position 0, or decode with the "
+                             "KVCache that holds the summaries of the earlier blocks")
+        # qbar of blocks n .. R; the queries of block n before q_start came in earlier steps.
+        qbar = to_blocks(q, q_start - n * s, s, float("-inf")).amax(dim=3)  # (B, H, R + 1 - n, D)
+        if "qmax" in state:
+            qbar = torch.cat([torch.maximum(qbar[:, :, :1], state["qmax"]), qbar[:, :, 1:]], 2)
+        keys = slice(n * s - k_start, R * s - k_start)  # blocks n .. R-1, complete
+        kbar, vbar = combiner_summaries(qbar[:, :, :R - n], to_blocks(k[:, :, keys], 0, s, 0.0),
+                                        to_blocks(v[:, :, keys], 0, s, 0.0), self.scale)
+        if state:
+            kbar, vbar = torch.cat([state["kbar"], kbar], 2), torch.cat([state["vbar"], vbar], 2)
+        if self.cache is not None:
+            self.cache.state.update(kbar=kbar, vbar=vbar, qmax=qbar[:, :, -1:])
+        return kbar, vbar
+
+    def attend(self, q, k, v, x, q_pos, k_pos):
+        kbar, vbar = self.summaries(q, k, v, int(q_pos[0]), int(k_pos[0]))
+        return combiner_reference(q, k, v, kbar, vbar, q_pos, k_pos, self.cfg.window, self.scale)
+
+    def oldest_key_needed(self, next_pos):
+        # Keep the block of the last token: once complete, the next step summarises it.
+        return (next_pos - 1) // self.cfg.window * self.cfg.window
+
+
 VARIANTS = {
     "full": CausalSelfAttention,
     "local": LocalAttention,
     "dsa": DynamicSparseAttention,
     "asga": ASGAttention,
     "caa": ContextAdaptiveAttention,
+    "combiner": CombinerAttention,
 }

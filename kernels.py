@@ -52,8 +52,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attention import (ASGAttention, CausalSelfAttention, ContextAdaptiveAttention,
-                       DynamicSparseAttention, LocalAttention, expand_kv)
+from attention import (ASGAttention, CausalSelfAttention, CombinerAttention, ContextAdaptiveAttention,
+                       DynamicSparseAttention, LocalAttention, combiner_summaries, expand_kv, to_blocks)
 
 NEG_INF = float("-inf")
 
@@ -585,6 +585,89 @@ def attend(module, q, k, v, x, q_pos, k_pos):
     if off is None:
         return module.attend(q, k, v, x, q_pos, k_pos)
     return fn(module, q, k, v, x, q_pos, off)
+
+
+
+# ---------------------------------------------------------------------------- combiner
+
+def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
+    """Combiner-Fixed's joint softmax (attention.combiner_reference), block by block:
+    direct logits (nb, s, s) per head, causal inside each aligned block, and span logits
+    (T, R) against the summaries, one softmax over both. Memory O(T (s + R)), not O(T^2).
+
+    q (B, H, L, D), k, v (B, Hkv, L, D) at the same positions, the first one the start of block
+    `first_block`; kbar (B, Hkv, R, D), vbar (B, H, R, D) summaries of blocks 0 .. R-1. Grouped
+    heads share their key head through a (Hkv, g) split of the query heads, no copy. The
+    softmax runs in float32 and its result is cast back (bf16-safe)."""
+    B, H, L, D = q.shape
+    Hkv, R = k.shape[1], kbar.shape[2]
+    g = H // Hkv
+    qb = to_blocks(q, 0, block, 0.0)  # (B, H, nb, s, D); padded rows are dropped at the end
+    nb = qb.shape[2]
+    qb = qb.view(B, Hkv, g, nb, block, D)
+    kb, vb = to_blocks(k, 0, block, 0.0), to_blocks(v, 0, block, 0.0)  # (B, Hkv, nb, s, D)
+    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb) * scale  # (B, Hkv, g, nb, s, s)
+    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar) * scale  # (B, Hkv, g, nb, s, R)
+    causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()  # (s, s)
+    earlier = (torch.arange(R, device=q.device)
+               < first_block + torch.arange(nb, device=q.device)[:, None])  # (nb, R)
+    logits = torch.cat([direct.masked_fill(~causal, NEG_INF),
+                        span.masked_fill(~earlier[:, None, :], NEG_INF)], dim=-1)  # (..., s, s + R)
+    p = torch.softmax(logits.float(), dim=-1).to(v.dtype)
+    out = (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
+           + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar.view(B, Hkv, g, R, D)))
+    return out.reshape(B, H, nb * block, D)[:, :, :L]
+
+
+def combiner_attention(q, k, v, block, scale):
+    """Combiner-Fixed (causal) at positions 0 .. T-1, in O(T (s + T/s)) memory:
+    q (B, H, T, D), k, v (B, Hkv, T, D) -> (B, H, T, D). The summaries of blocks 0 .. R-1
+    (R = block of the last query) come from the reshaped blocks, then `combiner_blocks`."""
+    T = q.shape[2]
+    R = (T - 1) // block
+    qbar = to_blocks(q[:, :, :R * block], 0, block, 0.0).amax(dim=3)  # (B, H, R, D)
+    kbar, vbar = combiner_summaries(qbar, to_blocks(k[:, :, :R * block], 0, block, 0.0),
+                                    to_blocks(v[:, :, :R * block], 0, block, 0.0), scale)
+    return combiner_blocks(q, k, v, kbar, vbar, 0, block, scale)
+
+
+def combiner_flex_attention(q, k, v, block, scale):
+    """The same function through FlexAttention (the GPU path; its forward also runs on CPU):
+    keys [k; kbar], values [v; vbar], and a mask that lets query i see key j < T when j is in
+    i's block and j <= i, and summary T + r when r < block(i). The block mask skips the
+    tiles outside the blocks, so the work is O(T (s + T/s)) as well. vbar has one head per
+    query head, so grouped key heads are expanded here (a copy of k and v)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, T, D = q.shape
+    R = (T - 1) // block
+    qbar = to_blocks(q[:, :, :R * block], 0, block, 0.0).amax(dim=3)
+    kbar, vbar = combiner_summaries(qbar, to_blocks(k[:, :, :R * block], 0, block, 0.0),
+                                    to_blocks(v[:, :, :R * block], 0, block, 0.0), scale)
+    keys = expand_kv(torch.cat([k, kbar], dim=2), H)  # (B, H, T + R, D)
+    values = torch.cat([expand_kv(v, H), vbar], dim=2)
+
+    def visible(b, h, i, j):
+        direct = (j < T) & (j <= i) & (j // block == i // block)
+        span = (j >= T) & (j - T < i // block)
+        return direct | span
+
+    mask = create_block_mask(visible, None, None, T, T + R, device=q.device)
+    return flex_attention(q, keys, values, block_mask=mask, scale=scale)
+
+
+def _combiner(m, q, k, v, x, q_pos, off):
+    s = m.cfg.window
+    q_start = int(q_pos[0])
+    k_start = q_start - off
+    kbar, vbar = m.summaries(q, k, v, q_start, k_start)  # reads and extends a KV cache's state
+    start = q_start // s * s  # the first query's block starts here: pad the queries back to it
+    q = F.pad(q, (0, 0, q_start - start, 0))
+    out = combiner_blocks(q, k[:, :, start - k_start:], v[:, :, start - k_start:], kbar, vbar, start // s, s, m.scale)
+    return out[:, :, q_start - start:]
+
+
+FUSED[CombinerAttention] = _combiner
 
 
 # ---------------------------------------------------------------------------- benchmark

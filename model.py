@@ -101,6 +101,7 @@ class KVCache:
 
     def __init__(self):
         self.k = self.v = self.pos = None
+        self.state = {}  # what a variant keeps beside keys and values (combiner's block summaries)
 
     def update(self, k, v, pos):
         if self.k is None:
