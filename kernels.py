@@ -602,17 +602,17 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
     B, H, L, D = q.shape
     Hkv, R = k.shape[1], kbar.shape[2]
     g = H // Hkv
-    qb = to_blocks(q, 0, block, 0.0)  # (B, H, nb, s, D); padded rows are dropped at the end
+    qb = to_blocks(q * scale, 0, block, 0.0)  # (B, H, nb, s, D); padded rows are dropped at the end
     nb = qb.shape[2]
     qb = qb.view(B, Hkv, g, nb, block, D)
     kb, vb = to_blocks(k, 0, block, 0.0), to_blocks(v, 0, block, 0.0)  # (B, Hkv, nb, s, D)
-    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb) * scale  # (B, Hkv, g, nb, s, s)
-    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar) * scale  # (B, Hkv, g, nb, s, R)
     causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()  # (s, s)
     earlier = (torch.arange(R, device=q.device)
                < first_block + torch.arange(nb, device=q.device)[:, None])  # (nb, R)
-    logits = torch.cat([direct.masked_fill(~causal, NEG_INF),
-                        span.masked_fill(~earlier[:, None, :], NEG_INF)], dim=-1)  # (..., s, s + R)
+    # In place: einsum's backward needs its inputs, not its output.
+    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb).masked_fill_(~causal, NEG_INF)  # (B, Hkv, g, nb, s, s)
+    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar).masked_fill_(~earlier[:, None, :], NEG_INF)  # (.., s, R)
+    logits = torch.cat([direct, span], dim=-1)  # (B, Hkv, g, nb, s, s + R)
     p = torch.softmax(logits.float(), dim=-1).to(v.dtype)
     out = (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
            + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar.view(B, Hkv, g, R, D)))
