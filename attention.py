@@ -355,7 +355,7 @@ class ContextAdaptiveAttention(CausalSelfAttention):
 # ---------------------------------------------------------------------------- combiner
 
 def combiner_summaries(qbar, k_blocks, v_blocks, scale):
-    """One span per completed block r (Combiner-Fixed, Ren et al. 2021, §3.2 eqs. 8-9):
+    """One span per completed block r (Combiner-Fixed, Ren et al. 2021, §3.2):
 
         kbar_r = max_{j in r} k_j                                  (elementwise)
         vbar_r = sum_{j in r} softmax_j(qbar_r . k_j * scale) v_j  (no causal mask inside r)
@@ -374,6 +374,14 @@ def combiner_summaries(qbar, k_blocks, v_blocks, scale):
     return kbar, vbar.reshape(B, H, R, D)
 
 
+def combiner_summaries_from_start(q, k, v, block, scale):
+    """combiner_summaries of blocks 0 .. R-1 of a sequence at positions 0 .. T-1 (R = block of
+    the last position): q (B, H, T, D), k, v (B, Hkv, T, D) -> kbar, vbar."""
+    R = (q.shape[2] - 1) // block
+    blocks = lambda x: x[:, :, :R * block].unflatten(2, (R, block))  # noqa: E731  (B, h, R, s, D)
+    return combiner_summaries(blocks(q).amax(dim=3), blocks(k), blocks(v), scale)
+
+
 def to_blocks(x_BHTD, before, block, fill):
     """(B, H, T, D) -> (B, H, n, s, D): `before` rows of `fill`, the T rows, then `fill` up to
     a whole number n of blocks of s rows."""
@@ -386,7 +394,7 @@ def to_blocks(x_BHTD, before, block, fill):
 def combiner_reference(q, k, v, kbar, vbar, q_pos, k_pos, block, scale):
     """y_i = sum_{j direct} p_ij v_j + sum_{r < block(i)} p_ir vbar_r, one softmax over
     logits q_i . k_j * scale (j in i's block, j <= i) and q_i . kbar_r * scale (r < block(i))
-    (Combiner §3.1 eqs. 4-5: attention as the expectation under one factorized p(j | i)).
+    (Combiner §2-3, eqs. 4-9: attention as the expectation under one factorized p(j | i)).
     Written as plain attention over keys [k; kbar] and values [v; vbar] with one mask; this
     materialises (T, S + R) logits, on purpose (kernels.py does not).
     q (B, H, T, D); k, v (B, Hkv, S, D); kbar (B, Hkv, R, D) and vbar (B, H, R, D) for
@@ -415,8 +423,8 @@ class CombinerAttention(CausalSelfAttention):
 
     The paper says: the positions are partitioned into s-sized spans (Combiner-Fixed, §3.2),
     the query's own span is attended directly and causally, each earlier span through a
-    max-pooled key and a value that is the span's own attention output (eqs. 8-9; google-
-    research `combiner/`, `sqrt_fixed_full`, causal=True). The block is *aligned*, not a
+    max-pooled key and a value that is the span's own attention output (§3.2; google-
+    research `combiner/`, TensorFlow `sqrt_fixed_full` with causal=True). The block is *aligned*, not a
     sliding window: a token at the start of a block sees only itself directly, plus the
     summaries of all earlier blocks. s = cfg.window (256). No parameters beyond q, k, v, o.
     Cost O(T (s + T/s)) time and memory (kernels.py), O(T sqrt T) at s ~ sqrt T.

@@ -29,6 +29,9 @@ How each part avoids the dense score matrix (q, k, v as in attention.py; G = B *
   only the chosen indices and probabilities, (T, max k_i) per head, are kept for backward.
 - `dsa`'s head gate and `caa`'s mixture multiply the kernels' outputs: (B, H, T, D) tensors,
   no (T, S) one.
+- `combiner`: `combiner_blocks`, direct logits (nb, s, s) inside each aligned block and
+  (T, T/s) span logits against the block summaries, one softmax: O(T (s + T/s)).
+  `combiner_flex_attention` computes it through FlexAttention (not dispatched to yet).
 
 Falls back to `module.attend` (the reference) only where positions are not two contiguous
 runs with every query among the keys (never the case in Model), for a module whose type has
@@ -53,7 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from attention import (ASGAttention, CausalSelfAttention, CombinerAttention, ContextAdaptiveAttention,
-                       DynamicSparseAttention, LocalAttention, combiner_summaries, expand_kv, to_blocks)
+                       DynamicSparseAttention, LocalAttention, combiner_summaries_from_start, expand_kv,
+                       to_blocks)
 
 NEG_INF = float("-inf")
 
@@ -623,11 +627,7 @@ def combiner_attention(q, k, v, block, scale):
     """Combiner-Fixed (causal) at positions 0 .. T-1, in O(T (s + T/s)) memory:
     q (B, H, T, D), k, v (B, Hkv, T, D) -> (B, H, T, D). The summaries of blocks 0 .. R-1
     (R = block of the last query) come from the reshaped blocks, then `combiner_blocks`."""
-    T = q.shape[2]
-    R = (T - 1) // block
-    qbar = to_blocks(q[:, :, :R * block], 0, block, 0.0).amax(dim=3)  # (B, H, R, D)
-    kbar, vbar = combiner_summaries(qbar, to_blocks(k[:, :, :R * block], 0, block, 0.0),
-                                    to_blocks(v[:, :, :R * block], 0, block, 0.0), scale)
+    kbar, vbar = combiner_summaries_from_start(q, k, v, block, scale)
     return combiner_blocks(q, k, v, kbar, vbar, 0, block, scale)
 
 
@@ -640,10 +640,8 @@ def combiner_flex_attention(q, k, v, block, scale):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, T, D = q.shape
-    R = (T - 1) // block
-    qbar = to_blocks(q[:, :, :R * block], 0, block, 0.0).amax(dim=3)
-    kbar, vbar = combiner_summaries(qbar, to_blocks(k[:, :, :R * block], 0, block, 0.0),
-                                    to_blocks(v[:, :, :R * block], 0, block, 0.0), scale)
+    kbar, vbar = combiner_summaries_from_start(q, k, v, block, scale)
+    R = kbar.shape[2]
     keys = expand_kv(torch.cat([k, kbar], dim=2), H)  # (B, H, T + R, D)
     values = torch.cat([expand_kv(v, H), vbar], dim=2)
 
