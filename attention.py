@@ -371,7 +371,7 @@ def combiner_summaries(qbar, k_blocks, v_blocks, scale):
     logits = torch.einsum("bkgrd,bkrsd->bkgrs", qbar, k_blocks) * scale  # (B, Hkv, g, R, s)
     p = torch.softmax(logits.float(), dim=-1).to(v_blocks.dtype)
     vbar = torch.einsum("bkgrs,bkrsd->bkgrd", p, v_blocks)  # (B, Hkv, g, R, D)
-    return kbar, vbar.reshape(B, H, R, D)
+    return kbar, vbar.reshape(B, H, R, v_blocks.shape[-1])
 
 
 def combiner_summaries_from_start(q, k, v, block, scale):

@@ -118,6 +118,22 @@ def test_a_block_start_sees_only_itself_directly():
     assert (out[:, :, S - 1] - out2[:, :, S - 1]).abs().max() > 1  # the check can see change
 
 
+def test_analyze_reads_its_mixing_weights():
+    """analyze.py's attention_weights (attend with v = identity) gives, per query, weights over
+    the keys that sum to 1, none on a future key, and reproduce the output."""
+    import analyze
+
+    module = make_module()
+    T = 3 * S + 2
+    q, k, v = (t.detach() for t in qkv(T))
+    pos = torch.arange(T)
+    w = analyze.attention_weights(module, q, k, None, pos, pos)  # (B, H, T, T)
+    assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-6)
+    assert w.masked_select(~torch.ones(T, T, dtype=torch.bool).tril()).abs().max() == 0
+    out = module.attend(q, k, v, None, pos, pos)
+    assert rel_error(w @ v.repeat_interleave(2, dim=1), out) < 1e-5
+
+
 # ---------------------------------------------------------------------------- in the model
 
 def tiny_model(kernel="ref", window=S, seed=0, **overrides):
