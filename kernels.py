@@ -631,13 +631,19 @@ def combiner_attention(q, k, v, block, scale):
     return combiner_blocks(q, k, v, kbar, vbar, 0, block, scale)
 
 
-def combiner_flex_attention(q, k, v, block, scale):
+def combiner_flex_attention(q, k, v, block, scale, compiled=False):
     """The same function through FlexAttention (the GPU path; its forward also runs on CPU):
     keys [k; kbar], values [v; vbar], and a mask that lets query i see key j < T when j is in
     i's block and j <= i, and summary T + r when r < block(i). The block mask skips the
-    tiles outside the blocks, so the work is O(T (s + T/s)) as well. vbar has one head per
-    query head, so grouped key heads are expanded here (a copy of k and v)."""
+    tiles outside the blocks, so the work is O(T (s + T/s)) as well, up to FlexAttention's
+    128-token tiles. vbar has one head per query head, so grouped key heads are expanded
+    here (a copy of k and v). compiled=False runs FlexAttention's unfused eager version
+    (it materialises the scores: for tests); True, the torch.compile'd kernel (on CPU the
+    forward only, after ~1 min of compiling)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if compiled:
+        flex_attention = torch.compile(flex_attention, fullgraph=True)  # cached by torch after the first call
 
     B, H, T, D = q.shape
     kbar, vbar = combiner_summaries_from_start(q, k, v, block, scale)

@@ -63,9 +63,9 @@ def make_module(seed=0, window=S, **overrides):
     return CombinerAttention(ModelConfig(**cfg))
 
 
-def qkv(T, B=2, H=4, Hkv=2, D=8, seed=1, dtype=torch.float32):
+def qkv(T, B=2, H=4, Hkv=2, D=8, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, T, D, generator=g, dtype=dtype).requires_grad_() for h in (H, Hkv, Hkv)]
+    return [torch.randn(B, h, T, D, generator=g).to(device).requires_grad_() for h in (H, Hkv, Hkv)]
 
 
 def rel_error(a, b):
@@ -223,13 +223,13 @@ def test_bf16_autocast_forward_and_backward(kernel):
 
 # ---------------------------------------------------------------------------- fused paths
 
-def compare(fused_fn, T, H=4, Hkv=2, B=2, block=S, seed=1, backward=True):
+def compare(fused_fn, T, H=4, Hkv=2, B=2, D=8, block=S, seed=1, backward=True, device="cpu"):
     """[(what, relative error, bound)] of fused_fn(q, k, v, block, scale) against the
     reference: the output, and (backward=True) the gradients of q, k, v."""
-    module = make_module(window=block, n_head=H, n_kv_head=Hkv)
-    q, k, v = qkv(T, B=B, H=H, Hkv=Hkv, seed=seed)
-    cotangent = torch.randn(B, H, T, q.shape[-1], generator=torch.Generator().manual_seed(seed + 1))
-    pos = torch.arange(T)
+    module = make_module(window=block, n_head=H, n_kv_head=Hkv)  # no parameters: stays on CPU
+    q, k, v = qkv(T, B=B, H=H, Hkv=Hkv, D=D, seed=seed, device=device)
+    cotangent = torch.randn(B, H, T, q.shape[-1], generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    pos = torch.arange(T, device=device)
     ref = module.attend(q, k, v, None, pos, pos)
     if not backward:
         with torch.no_grad():
@@ -275,6 +275,7 @@ def flex_available():
 
 
 @pytest.mark.skipif(not flex_available(), reason="torch has no FlexAttention")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("T", (7, 3 * S + 5, 300))
 def test_flex_forward_equals_reference(T):
     """FlexAttention's forward on CPU (its q/k/v backward does not run on CPU: see the CUDA test)."""
@@ -286,11 +287,9 @@ def test_flex_forward_equals_reference(T):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs CUDA (not implemented on CPU)")
 @pytest.mark.parametrize("T", (7, 3 * S + 5, 300))
 def test_flex_gradients_equal_reference_cuda(T):
-    torch.set_default_device("cuda")
-    try:
-        rows = compare(kernels.combiner_flex_attention, T, block=16 if T == 300 else S)
-    finally:
-        torch.set_default_device("cpu")
+    """The compiled FlexAttention kernel, forward and backward."""
+    rows = compare(lambda *a: kernels.combiner_flex_attention(*a, compiled=True), T,
+                   block=16 if T == 300 else S, D=16, device="cuda")  # Triton tiles: D >= 16
     for what, error, bound in rows:
         assert error < bound, f"{what}: {error:.2e} at T={T}"
 
