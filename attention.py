@@ -423,9 +423,9 @@ class CombinerAttention(CausalSelfAttention):
 
     The paper says: the positions are partitioned into s-sized spans (Combiner-Fixed, §3.2),
     the query's own span is attended directly and causally, each earlier span through a
-    max-pooled key and a value that is the span's own attention output (§3.2; google-
-    research `combiner/`, TensorFlow `sqrt_fixed_full` with causal=True). The block is *aligned*, not a
-    sliding window: a token at the start of a block sees only itself directly, plus the
+    max-pooled key and a value that is the span's own attention output (§3.2; google-research
+    `combiner/`, TensorFlow `sqrt_fixed_full` with causal=True). The block is *aligned*, not
+    a sliding window: a token at the start of a block sees only itself directly, plus the
     summaries of all earlier blocks. s = cfg.window (256). No parameters beyond q, k, v, o.
     Cost O(T (s + T/s)) time and memory (kernels.py), O(T sqrt T) at s ~ sqrt T.
 
@@ -439,9 +439,12 @@ class CombinerAttention(CausalSelfAttention):
         self.cache = None  # the KVCache of the forward pass running now, if any (see forward)
 
     def forward(self, x_BTC, cos, sin, pos, cache=None):
+        # `attend` has no cache argument (every variant shares its signature), yet a summary
+        # value needs the max over *all* its block's queries, which earlier decoding steps saw:
+        # so the cache is lent to `summaries` for the duration of this call.
         if cache is None:
             return super().forward(x_BTC, cos, sin, pos)
-        self.cache = cache  # `summaries` reads and extends the block summaries it holds
+        self.cache = cache
         try:
             return super().forward(x_BTC, cos, sin, pos, cache)
         finally:

@@ -591,7 +591,6 @@ def attend(module, q, k, v, x, q_pos, k_pos):
     return fn(module, q, k, v, x, q_pos, off)
 
 
-
 # ---------------------------------------------------------------------------- combiner
 
 def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
@@ -614,8 +613,10 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
     earlier = (torch.arange(R, device=q.device)
                < first_block + torch.arange(nb, device=q.device)[:, None])  # (nb, R)
     # In place: einsum's backward needs its inputs, not its output.
-    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb).masked_fill_(~causal, NEG_INF)  # (B, Hkv, g, nb, s, s)
-    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar).masked_fill_(~earlier[:, None, :], NEG_INF)  # (.., s, R)
+    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb)  # (B, Hkv, g, nb, s, s)
+    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar)  # (B, Hkv, g, nb, s, R)
+    direct.masked_fill_(~causal, NEG_INF)
+    span.masked_fill_(~earlier[:, None, :], NEG_INF)
     logits = torch.cat([direct, span], dim=-1)  # (B, Hkv, g, nb, s, s + R)
     p = torch.softmax(logits.float(), dim=-1).to(v.dtype)
     out = (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
@@ -643,7 +644,7 @@ def combiner_flex_attention(q, k, v, block, scale, compiled=False):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if compiled:
-        flex_attention = torch.compile(flex_attention, fullgraph=True)  # cached by torch after the first call
+        flex_attention = torch.compile(flex_attention, fullgraph=True)  # compiled once, then cached
 
     B, H, T, D = q.shape
     kbar, vbar = combiner_summaries_from_start(q, k, v, block, scale)
@@ -661,13 +662,15 @@ def combiner_flex_attention(q, k, v, block, scale, compiled=False):
 
 
 def _combiner(m, q, k, v, x, q_pos, off):
+    """CombinerAttention.attend, fused; with a KV cache too (its summaries as in the reference)."""
     s = m.cfg.window
     q_start = int(q_pos[0])
     k_start = q_start - off
     kbar, vbar = m.summaries(q, k, v, q_start, k_start)  # reads and extends a KV cache's state
     start = q_start // s * s  # the first query's block starts here: pad the queries back to it
     q = F.pad(q, (0, 0, q_start - start, 0))
-    out = combiner_blocks(q, k[:, :, start - k_start:], v[:, :, start - k_start:], kbar, vbar, start // s, s, m.scale)
+    keys = slice(start - k_start, None)  # from the same block start (a cache keeps that block)
+    out = combiner_blocks(q, k[:, :, keys], v[:, :, keys], kbar, vbar, start // s, s, m.scale)
     return out[:, :, q_start - start:]
 
 
