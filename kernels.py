@@ -30,7 +30,8 @@ How each part avoids the dense score matrix (q, k, v as in attention.py; G = B *
 - `dsa`'s head gate and `caa`'s mixture multiply the kernels' outputs: (B, H, T, D) tensors,
   no (T, S) one.
 - `combiner`: `combiner_blocks`, direct logits (nb, s, s) inside each aligned block and
-  (T, T/s) span logits against the block summaries, one softmax: O(T (s + T/s)).
+  (T, T/s) span logits against the block summaries, one softmax: O(T (s + T/s)) time, a
+  chunk of blocks at a time, each recomputed in the backward (memory O(T D) + one chunk).
   `combiner_flex_attention` computes it through FlexAttention (not dispatched to yet).
 
 Falls back to `module.attend` (the reference) only where positions are not two contiguous
@@ -45,6 +46,7 @@ side (see `benchmark`).
 """
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -54,6 +56,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from attention import (ASGAttention, CausalSelfAttention, CombinerAttention, ContextAdaptiveAttention,
                        DynamicSparseAttention, LocalAttention, combiner_summaries_from_start, expand_kv,
@@ -593,15 +596,22 @@ def attend(module, q, k, v, x, q_pos, k_pos):
 
 # ---------------------------------------------------------------------------- combiner
 
+COMBINER_CHUNK = 1 << 22  # logits per chunk of blocks (16 MB in float32)
+
+
 def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
     """Combiner-Fixed's joint softmax (attention.combiner_reference), block by block:
     direct logits (nb, s, s) per head, causal inside each aligned block, and span logits
-    (T, R) against the summaries, one softmax over both. Memory O(T (s + R)), not O(T^2).
+    (T, R) against the summaries, one softmax over both.
 
     q (B, H, L, D), k, v (B, Hkv, L, D) at the same positions, the first one the start of block
     `first_block`; kbar (B, Hkv, R, D), vbar (B, H, R, D) summaries of blocks 0 .. R-1. Grouped
     heads share their key head through a (Hkv, g) split of the query heads, no copy. The
-    softmax runs in float32 and its result is cast back (bf16-safe)."""
+    softmax runs in float32 and its result is cast back (bf16-safe). Blocks go through a
+    COMBINER_CHUNK of logits at a time; with autograd on and more than one chunk, each chunk
+    keeps only its output and recomputes its probabilities in the backward (FlashAttention's
+    trade, Dao et al. 2022, through torch.utils.checkpoint): memory O(T D) plus one chunk,
+    O(T (s + R)) time."""
     B, H, L, D = q.shape
     Hkv, R = k.shape[1], kbar.shape[2]
     g = H // Hkv
@@ -609,19 +619,31 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
     nb = qb.shape[2]
     qb = qb.view(B, Hkv, g, nb, block, D)
     kb, vb = to_blocks(k, 0, block, 0.0), to_blocks(v, 0, block, 0.0)  # (B, Hkv, nb, s, D)
-    causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()  # (s, s)
-    earlier = (torch.arange(R, device=q.device)
-               < first_block + torch.arange(nb, device=q.device)[:, None])  # (nb, R)
+    vbar = vbar.view(B, Hkv, g, R, vbar.shape[-1])
+    step = max(1, COMBINER_CHUNK // (B * H * block * (block + R)))  # blocks per chunk
+    run = _combiner_chunk
+    if step < nb and torch.is_grad_enabled():
+        run = functools.partial(torch.utils.checkpoint.checkpoint, _combiner_chunk, use_reentrant=False)
+    out = torch.cat([run(qb[:, :, :, n:n + step], kb[:, :, n:n + step], vb[:, :, n:n + step], kbar, vbar,
+                         first_block + n) for n in range(0, nb, step)], dim=3)  # (B, Hkv, g, nb, s, D)
+    return out.reshape(B, H, nb * block, -1)[:, :, :L]
+
+
+def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
+    """combiner_blocks for the blocks first_block .. of qb (B, Hkv, g, n, s, D) (q scaled)."""
+    n, block, R = qb.shape[3], qb.shape[4], kbar.shape[2]
+    causal = torch.ones(block, block, dtype=torch.bool, device=qb.device).tril()  # (s, s)
+    earlier = (torch.arange(R, device=qb.device)
+               < first_block + torch.arange(n, device=qb.device)[:, None])  # (n, R)
     # In place: einsum's backward needs its inputs, not its output.
-    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb)  # (B, Hkv, g, nb, s, s)
-    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar)  # (B, Hkv, g, nb, s, R)
+    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb)  # (B, Hkv, g, n, s, s)
+    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar)  # (B, Hkv, g, n, s, R)
     direct.masked_fill_(~causal, NEG_INF)
     span.masked_fill_(~earlier[:, None, :], NEG_INF)
-    logits = torch.cat([direct, span], dim=-1)  # (B, Hkv, g, nb, s, s + R)
-    p = torch.softmax(logits.float(), dim=-1).to(v.dtype)
-    out = (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
-           + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar.view(B, Hkv, g, R, D)))
-    return out.reshape(B, H, nb * block, D)[:, :, :L]
+    logits = torch.cat([direct, span], dim=-1)  # (B, Hkv, g, n, s, s + R)
+    p = torch.softmax(logits.float(), dim=-1).to(vb.dtype)
+    return (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
+            + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
 
 
 def combiner_attention(q, k, v, block, scale):
