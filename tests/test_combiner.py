@@ -4,7 +4,6 @@ KV-cache decoding past several block boundaries, gradients, bf16; the fused path
 (kernels.combiner_attention) and the FlexAttention one against the reference, and the fused
 path's memory shape (no (T, T) tensor)."""
 import contextlib
-import math
 
 import pytest
 import torch
