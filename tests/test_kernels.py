@@ -178,7 +178,8 @@ def test_fused_equals_reference_gqa(attn):
     module = make_module(attn, n_head=4, n_kv_head=2, **WINDOWS["w5"])
     for T in (7, 257):
         check(module, T)
-    check(module, 7, p0=300, k0=150)
+    if attn != "combiner":  # its earlier blocks' summaries live in a KVCache (tests/test_combiner.py)
+        check(module, 7, p0=300, k0=150)
 
 
 @pytest.mark.parametrize("attn,flags", CONFIGS, ids=IDS)
