@@ -581,7 +581,7 @@ def to_blocks(x_BHTD, before, block, fill):
     a whole number n of blocks of s rows."""
     T = x_BHTD.shape[2]
     after = -(before + T) % block
-    x = F.pad(x_BHTD, (0, 0, before, after), value=fill)
+    x = F.pad(x_BHTD, (0, 0, before, after), value=fill) if before or after else x_BHTD  # no copy if whole
     return x.view(*x.shape[:2], (before + T + after) // block, block, x.shape[-1])
 
 

@@ -467,7 +467,8 @@ COMBINER_CHUNK = 1 << 22  # logits per chunk of blocks (16 MB in float32)
 
 def to_blocks(x_BhLD, block):
     """(B, h, L, D) -> (B, h, n, s, D): zero rows after the L rows, up to n whole blocks of s."""
-    x = F.pad(x_BhLD, (0, 0, 0, -x_BhLD.shape[2] % block))
+    pad = -x_BhLD.shape[2] % block
+    x = F.pad(x_BhLD, (0, 0, 0, pad)) if pad else x_BhLD  # F.pad would copy even when pad = 0
     return x.unflatten(2, (-1, block))
 
 
@@ -599,8 +600,9 @@ def blockwise_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, b
             raise ValueError(f"combiner needs the keys of the first query's block, from position {first}; "
                              f"they start at {k_start}")
         keys = slice(first - k_start, None)
-        q, k, v, kbar, vbar = _float32(F.pad(q, (0, 0, q_start - first, 0)), k[:, :, keys], v[:, :, keys],
-                                       kbar, vbar)
+        if q_start > first:
+            q = F.pad(q, (0, 0, q_start - first, 0))  # (B, H, q_start - first + T, D)
+        q, k, v, kbar, vbar = _float32(q, k[:, :, keys], v[:, :, keys], kbar, vbar)
         return combiner_blocks(q, k, v, kbar, vbar, first // block, block, scale)[:, :, q_start - first:]
 
 
