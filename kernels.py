@@ -14,11 +14,16 @@ dsa's threshold inside its mask; caa's soft window boundary as a score_mod bias;
 pair gate as a score_mod over the captured per-query and per-key terms (never a (T, S, r)
 tensor); caa's top-k as a per-query threshold (found chunk by chunk without grad, so no
 (T, S) tensor is kept) applied in a score_mod; combiner's aligned blocks and summaries as a
-block mask over the keys [k; kbar] (the tiles outside the blocks are skipped). q, k, v enter in one dtype (the autocast
-dtype under autocast, so bf16 on a GPU); FlexAttention and SDPA keep their softmax
-statistics in float32. GQA through the kernels' own support (enable_gqa). On CPU,
+block mask over the keys [k; kbar] (the tiles outside the blocks are skipped). q, k, v
+enter in one dtype (the autocast dtype under autocast, so bf16 on a GPU); FlexAttention and
+SDPA keep their softmax statistics in float32. GQA through the kernels' own support (enable_gqa). On CPU,
 FlexAttention runs uncompiled and has no backward for q, k, v (torch raises); gradients
-of tensors a score_mod captures (the gates) it does compute.
+of tensors a score_mod captures (the gates) it does compute. torch.compile of a whole model
+traces this path without a graph break (tests/test_kernels.py); on CPU, inductor's C++
+FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
+gate multiply, "no choices" for the asga and caa score_mods; `local` compiles and matches
+the reference to 2e-7), so CPU runs stay uncompiled.
+Compiled on a GPU (Triton templates): not yet run, no GPU was available.
 
 BLOCKWISE, the CPU training path (kernel='fused' on CPU): plain PyTorch loops built for a
 few CPU cores, in float32 (autocast is switched off inside: CPU bf16 matmuls gain nothing
@@ -45,7 +50,6 @@ of model.py. This file imports nothing from attention.py ([Flash] etc. are its r
 The benchmark is benchmarks/attention.py.
 """
 import functools
-import math
 from collections import namedtuple
 
 import torch
@@ -76,7 +80,7 @@ def key_offset(q, k, q_start, k_start):
     return q_start - k_start
 
 
-# ---------------------------------------------------------------------------- full causal
+# ---------------------------------------------------------------------------- full causal (both sets)
 
 def causal_attention(q, k, v, off, scale):
     """(B, H, T, D): softmax over keys s <= off + t of q_t . k_s * scale, times v (SDPA, GQA
@@ -93,7 +97,7 @@ def causal_attention(q, k, v, off, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-# ---------------------------------------------------------------------------- windowed (CPU)
+# ---------------------------------------------------------------------------- BLOCKWISE: windowed
 
 class Band:
     """Geometry of windowed attention. Query t (block b = t // Bq, row a = t % Bq) sees key s
@@ -286,7 +290,7 @@ def _softmax_into(s, out):
     return torch.ops.aten._softmax.out(s, -1, False, out=out)
 
 
-# ---------------------------------------------------------------------------- asga learned
+# ---------------------------------------------------------------------------- BLOCKWISE: pair-gated
 
 def _mask_future_(logits, t0, off, c0=0):
     """logits (G, bq, c) of queries t0 + a and keys c0 + j: -inf where the key comes after
@@ -400,7 +404,7 @@ class PairGatedAttention(torch.autograd.Function):
         return dq, dk, dv, dqt, dkt, dw2.view(G, r), db2, None, None
 
 
-# ---------------------------------------------------------------------------- caa top-k
+# ---------------------------------------------------------------------------- BLOCKWISE: top-k
 
 class TopkAttention(torch.autograd.Function):
     """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v.
@@ -460,7 +464,7 @@ class TopkAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-# ---------------------------------------------------------------------------- combiner
+# ---------------------------------------------------------------------------- BLOCKWISE: combiner
 
 COMBINER_CHUNK = 1 << 22  # logits per chunk of blocks (16 MB in float32)
 
@@ -516,7 +520,7 @@ def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
             + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
 
 
-# ---------------------------------------------------------------------------- BLOCKWISE ops
+# ---------------------------------------------------------------------------- BLOCKWISE: the core ops
 
 def _float32(*tensors):
     """The blockwise loops run in float32 (see the module docstring)."""
@@ -610,7 +614,7 @@ BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attentio
                 blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention)
 
 
-# ---------------------------------------------------------------------------- FLEX ops
+# ---------------------------------------------------------------------------- FLEX: the core ops
 
 _compiled_flex = None
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask

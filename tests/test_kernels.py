@@ -97,7 +97,7 @@ def run(module, kernel, *args):
         module.cfg = cfg
 
 
-def compare(module, T, B=2, p0=0, k0=0, seed=1, kernel="fused"):
+def compare(module, T, B=2, p0=0, k0=0, seed=1, kernel="fused", grads=True):
     """Reference vs `kernel` on random inputs: [(what, error, bound)] for the output and the
     gradients of q, k, v, x and every parameter (flex: of the gate parameters its score_mod
     captures, and of the parameters outside the attention core, with q, k, v constant)."""
@@ -107,12 +107,15 @@ def compare(module, T, B=2, p0=0, k0=0, seed=1, kernel="fused"):
     named = dict(x=x, **dict(module.named_parameters())) if flex else dict(q=q, k=k, v=v, x=x, **dict(module.named_parameters()))
     results = []
     for which in ("ref", kernel):
-        out = run(module, which, q, k, v, x, p0, k0)
-        grads = (torch.autograd.grad(out, list(named.values()), cotangent, allow_unused=True)
-                 if out.requires_grad else [None] * len(named))  # flex `full`: nothing to differentiate
-        results.append((out.detach(), grads))
+        with torch.set_grad_enabled(grads):
+            out = run(module, which, q, k, v, x, p0, k0)
+        differentiate = grads and out.requires_grad  # flex `full`: nothing to differentiate
+        g = torch.autograd.grad(out, list(named.values()), cotangent, allow_unused=True) if differentiate else None
+        results.append((out.detach(), g))
     (ref, ref_grads), (fused, fused_grads) = results
     rows = [("output", rel_error(fused, ref), OUT_TOL)]
+    if ref_grads is None:
+        return rows
     for name, a, b in zip(named, fused_grads, ref_grads):
         a = torch.zeros_like(named[name]) if a is None else a  # not used: a zero gradient
         b = torch.zeros_like(named[name]) if b is None else b
@@ -193,9 +196,9 @@ def test_flex_equals_reference(attn, flags):
     cache, and the gradients of x and the variant's parameters (q, k, v held constant).
     Two query heads sharing one key/value head: GQA."""
     module = make_module(attn, n_head=2, n_kv_head=1, **flags, **WINDOWS["w100"])
-    for T in LENGTHS:
+    for T in LENGTHS:  # gradients up to T = 257 (at 1000, uncompiled flex is slow, not different)
         if not ill_conditioned(module.cfg, T):
-            check(module, T, B=1, kernel="flex")
+            check(module, T, B=1, kernel="flex", grads=T < 1000)
     for p0, k0, T in [(300, 150, 7), (95, 0, 7), (300, 0, 1)] if attn != "combiner" else []:  # NEEDS_SUMMARIES
         if not ill_conditioned(module.cfg, T, p0, k0):
             check(module, T, B=1, p0=p0, k0=k0, kernel="flex")
@@ -312,7 +315,7 @@ def test_flex_forward_has_no_graph_breaks(attn, flags):
     """torch._dynamo.explain: the model's forward with kernel=flex traces as one graph
     (positions are Python ints; nothing is read back from a tensor). Every variant, and the
     flags that take another code path (tracing costs ~5-10 s each on CPU)."""
-    model = tiny_model(attn, "flex", **flags).eval()
+    model = tiny_model(attn, "flex", n_layer=1, **flags).eval()  # one layer: half the tracing
     idx = torch.randint(0, 512, (1, 150))
     torch._dynamo.reset()
     with torch.no_grad():
