@@ -13,6 +13,8 @@ References (the short names are used everywhere below):
   [Flash] Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
           IO-Awareness" (kernels.py's blockwise loops).
   [Qwen3] Qwen Team 2025, "Qwen3 Technical Report" (the attention block around every variant).
+  [Combiner] Ren et al. 2021, "Combiner: Full Attention Transformer with Sparse Computation
+          Cost" (NeurIPS 2021, arXiv 2107.05768) — the "Sparse [Combiner]" row of [CAA]'s table.
 The four method papers report their runs on FineWeb with a 134M-parameter Qwen model; their
 numbers are quoted in the docstrings below with the paper they come from.
 
@@ -28,6 +30,7 @@ Core operations (same signatures in kernels.py, which holds their fused versions
   attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None)
   pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
+  combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
 A variant computes its gates, masks and biases once and calls these through
 `self.ops(device)`; which set runs (this file's reference, kernels.py's blockwise CPU path,
 or FlexAttention + SDPA) is decided in `ops` alone. Imports run one way: this file imports
@@ -172,7 +175,27 @@ def topk_mask(logits, causal, k_per_query):
     return (rank < k_per_query[:, None]) & causal  # & causal: never a future key
 
 
-REFERENCE = kernels.Ops("reference (attention.py, dense)", attention, pair_gated_attention, topk_attention)
+def combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
+    """(B, H, T, D): [Combiner]'s factorized attention (§2-3, eqs. 4-9): one softmax over
+    q_t . k_s * scale for the keys s of t's own aligned block of `block` positions, s <= t
+    (direct), and q_t . kbar_r * scale for every block r before t's (one span each), applied
+    to [v_s; vbar_r]. scale: a float. kbar (B, Hkv, R, D), vbar (B, H, R, D): the summaries of
+    blocks 0 .. R-1 (`combiner_summaries`), R >= the last query's block. Plain attention over
+    keys [k; kbar] and values [v; vbar] with one mask."""
+    B, H, T, _ = q.shape
+    S, R = k.shape[2], kbar.shape[2]
+    keys = expand_kv(torch.cat([k, kbar], dim=2), H)  # (B, H, S + R, D)
+    values = torch.cat([expand_kv(v, H), vbar], dim=2)  # (B, H, S + R, D)
+    q_block = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
+    k_block = torch.arange(k_start, k_start + S, device=q.device) // block  # (S,)
+    direct = allowed(T, S, q_start, k_start, q.device) & (k_block == q_block)  # (T, S)
+    span = torch.arange(R, device=q.device) < q_block  # (T, R)
+    logits = (q @ keys.transpose(-2, -1)) * scale  # (B, H, T, S + R)
+    return masked_softmax_attend(logits, torch.cat([direct, span], dim=1), values)
+
+
+REFERENCE = kernels.Ops("reference (attention.py, dense)", attention, pair_gated_attention, topk_attention,
+                        combiner_attention)
 
 
 def ops(kernel, device):
@@ -531,10 +554,120 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         return g * local + (1 - g) * glob
 
 
+# ---------------------------------------------------------------------------- combiner
+
+def combiner_summaries(qbar, k_blocks, v_blocks, scale):
+    """One span per completed block r ([Combiner]-Fixed, §3.2):
+
+        kbar_r = max_{j in r} k_j                                  (elementwise)
+        vbar_r = sum_{j in r} softmax_j(qbar_r . k_j * scale) v_j  (no causal mask inside r)
+
+    qbar (B, H, R, D): the elementwise max of each block's queries; k_blocks, v_blocks
+    (B, Hkv, R, s, D). Returns kbar (B, Hkv, R, D) and vbar (B, H, R, D): vbar depends on the
+    query head through qbar, so it has H heads even with grouped-query attention. Memory
+    O(R * s) per head, so every implementation of `combiner_attention` takes these as inputs."""
+    B, H, R, D = qbar.shape
+    Hkv = k_blocks.shape[1]
+    kbar = k_blocks.amax(dim=3)  # (B, Hkv, R, D)
+    qbar = qbar.view(B, Hkv, H // Hkv, R, D)  # the query heads that share each key head
+    logits = torch.einsum("bkgrd,bkrsd->bkgrs", qbar, k_blocks) * scale  # (B, Hkv, g, R, s)
+    p = torch.softmax(logits.float(), dim=-1).to(v_blocks.dtype)
+    vbar = torch.einsum("bkgrs,bkrsd->bkgrd", p, v_blocks)  # (B, Hkv, g, R, D)
+    return kbar, vbar.reshape(B, H, R, v_blocks.shape[-1])
+
+
+def to_blocks(x_BHTD, before, block, fill):
+    """(B, H, T, D) -> (B, H, n, s, D): `before` rows of `fill`, the T rows, then `fill` up to
+    a whole number n of blocks of s rows."""
+    T = x_BHTD.shape[2]
+    after = -(before + T) % block
+    x = F.pad(x_BHTD, (0, 0, before, after), value=fill) if before or after else x_BHTD  # no copy if whole
+    return x.view(*x.shape[:2], (before + T + after) // block, block, x.shape[-1])
+
+
+class CombinerAttention(CausalSelfAttention):
+    """`combiner`: [Combiner]-Fixed, causal (the "Sparse [Combiner]" row of [CAA]'s table,
+    validation loss 4.904). Every earlier token is reached, directly or through one summary
+    per block:
+
+        direct(i) = {j : block(j) = block(i), j <= i},  block(i) = floor(i / s)
+        kbar_r = max_{j in r} k_j,   qbar_r = max_{j in r} q_j            (elementwise)
+        vbar_r = sum_{j in r} softmax_j(qbar_r . k_j / sqrt(d)) v_j
+        y_i = softmax over [q_i . k_j / sqrt(d) for j in direct(i);
+                            q_i . kbar_r / sqrt(d) for r < block(i)]  applied to [v_j; vbar_r]
+
+    The paper says: the positions are partitioned into s-sized spans (Combiner-Fixed, §3.2),
+    the query's own span is attended directly and causally, each earlier span through a
+    max-pooled key and a value that is the span's own attention output (§3.2; google-research
+    `combiner/`, TensorFlow `sqrt_fixed_full` with causal=True). The block is *aligned*, not
+    a sliding window: a token at the start of a block sees only itself directly, plus the
+    summaries of all earlier blocks. s = cfg.window (256). No parameters beyond q, k, v, o.
+    Cost O(T (s + T/s)) time and memory (kernels.py), O(T sqrt T) at s ~ sqrt T.
+
+    The summaries are computed here, once per call (`summaries`, O(T D) memory), and handed
+    to the core op `combiner_attention` with the keys and values.
+
+    This project's choice: with a KV cache, `cache.state` holds kbar, vbar of every completed
+    block and the running max of the queries of the last token's block, and the cache keeps
+    that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.cache = None  # the KVCache of the forward pass running now, if any (see forward)
+
+    def forward(self, x_BTC, cos, sin, start, cache=None):
+        # `attend` has no cache argument (every variant shares its signature), yet a summary
+        # value needs the max over *all* its block's queries, which earlier decoding steps saw:
+        # so the cache is lent to `summaries` for the duration of this call.
+        if cache is None:
+            return super().forward(x_BTC, cos, sin, start)
+        self.cache = cache
+        try:
+            return super().forward(x_BTC, cos, sin, start, cache)
+        finally:
+            self.cache = None
+
+    def summaries(self, q, k, v, q_start, k_start):
+        """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
+        query: those cached (KVCache.state) and those completed since, from the keys in k.
+        Queries sit at positions q_start.., keys at k_start.., both runs ending together."""
+        s, T = self.cfg.window, q.shape[2]
+        state = {} if self.cache is None else self.cache.state
+        n = state["kbar"].shape[2] if state else 0  # blocks already summarised
+        R = (q_start + T - 1) // s
+        if k_start > n * s or (not state and q_start > n * s):
+            raise ValueError(f"combiner needs every earlier block (queries from {q_start}, keys "
+                             f"from {k_start}, block {s}): run from position 0, or decode with the "
+                             "KVCache that holds the summaries of the earlier blocks")
+        # qbar of blocks n .. R; the queries of block n before q_start came in earlier steps.
+        qbar = to_blocks(q, q_start - n * s, s, float("-inf")).amax(dim=3)  # (B, H, R + 1 - n, D)
+        if "qmax" in state:
+            qbar = torch.cat([torch.maximum(qbar[:, :, :1], state["qmax"]), qbar[:, :, 1:]], 2)
+        keys = slice(n * s - k_start, R * s - k_start)  # blocks n .. R-1, complete
+        kbar, vbar = combiner_summaries(qbar[:, :, :R - n], to_blocks(k[:, :, keys], 0, s, 0.0),
+                                        to_blocks(v[:, :, keys], 0, s, 0.0), self.scale)
+        if state:
+            kbar, vbar = torch.cat([state["kbar"], kbar], 2), torch.cat([state["vbar"], vbar], 2)
+        if self.cache is not None:
+            self.cache.state.update(kbar=kbar, vbar=vbar, qmax=qbar[:, :, -1:])
+        return kbar, vbar
+
+    def attend(self, q, k, v, x, q_start, k_start):
+        kbar, vbar = self.summaries(q, k, v, q_start, k_start)
+        return self.ops(q.device).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start,
+                                                     self.cfg.window)
+
+    def oldest_key_needed(self, next_pos):
+        # Keep the block of the last token: once complete, the next step summarises it.
+        return (next_pos - 1) // self.cfg.window * self.cfg.window
+
+
 VARIANTS = {
     "full": CausalSelfAttention,
     "local": LocalAttention,
     "dsa": DynamicSparseAttention,
     "asga": ASGAttention,
     "caa": ContextAdaptiveAttention,
+    "combiner": CombinerAttention,
 }

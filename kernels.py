@@ -3,6 +3,7 @@
   attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None)
   pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
+  combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
 
 (attention.py documents what each computes; the variants there call them.) Two sets:
 
@@ -12,9 +13,10 @@ FlexAttention, compiled on CUDA: windows as block masks built once per shape and
 dsa's threshold inside its mask; caa's soft window boundary as a score_mod bias; asga's
 pair gate as a score_mod over the captured per-query and per-key terms (never a (T, S, r)
 tensor); caa's top-k as a per-query threshold (found chunk by chunk without grad, so no
-(T, S) tensor is kept) applied in a score_mod. q, k, v enter in one dtype (the autocast
-dtype under autocast, so bf16 on a GPU); FlexAttention and SDPA keep their softmax
-statistics in float32. GQA through the kernels' own support (enable_gqa). On CPU,
+(T, S) tensor is kept) applied in a score_mod; combiner's aligned blocks and summaries as a
+block mask over the keys [k; kbar] (the tiles outside the blocks are skipped). q, k, v
+enter in one dtype (the autocast dtype under autocast, so bf16 on a GPU); FlexAttention and
+SDPA keep their softmax statistics in float32. GQA through the kernels' own support (enable_gqa). On CPU,
 FlexAttention runs uncompiled and has no backward for q, k, v (torch raises); gradients
 of tensors a score_mod captures (the gates) it does compute. torch.compile of a whole model
 traces this path without a graph break (tests/test_kernels.py); on CPU, inductor's C++
@@ -38,19 +40,25 @@ here and the loops write into float32 buffers):
   O(T * (D + r)) kept, O(Bq * S) transient; time O(T^2 r).
 - top-k attention: `TopkAttention`. Per query block, dense scores pick each query's k_i
   keys; only the chosen indices and probabilities, (T, k_max) per head, are kept.
+- combiner attention: `combiner_blocks`. Direct logits (s, s) inside each aligned block of
+  s queries and span logits (s, R) against the R block summaries, one softmax: time and
+  memory O(T (s + R)), never (T, S). A chunk of blocks at a time, each recomputed in the
+  backward (memory O(T D) plus one chunk).
 
 Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
 The benchmark is benchmarks/attention.py.
 """
+import functools
 from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 NEG_INF = float("-inf")
-Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention")
+Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention")
 
 
 def expand_kv(k_BHSD, n_head):
@@ -456,6 +464,61 @@ class TopkAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+# ---------------------------------------------------------------------------- BLOCKWISE: combiner
+
+COMBINER_CHUNK = 1 << 22  # logits per chunk of blocks (16 MB in float32)
+
+
+def to_blocks(x_BhLD, block):
+    """(B, h, L, D) -> (B, h, n, s, D): zero rows after the L rows, up to n whole blocks of s."""
+    pad = -x_BhLD.shape[2] % block
+    x = F.pad(x_BhLD, (0, 0, 0, pad)) if pad else x_BhLD  # F.pad would copy even when pad = 0
+    return x.unflatten(2, (-1, block))
+
+
+def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
+    """[Combiner]'s joint softmax block by block: direct logits (s, s) inside each aligned
+    block, causal, and span logits (s, R) against the summaries, one softmax over both.
+
+    q (B, H, L, D), k, v (B, Hkv, L, D) at the same positions, the first one the start of
+    block `first_block`; kbar (B, Hkv, R, D), vbar (B, H, R, D) the summaries of blocks
+    0 .. R-1. Grouped heads share their key head through a (Hkv, g) split of the query heads,
+    no copy. Blocks go COMBINER_CHUNK logits at a time; with autograd on and more than one
+    chunk, each chunk keeps only its output and recomputes its probabilities in the backward
+    ([Flash]'s trade, through torch.utils.checkpoint): memory O(T D) plus one chunk, time
+    O(T (s + R))."""
+    B, H, L, D = q.shape
+    Hkv, R = k.shape[1], kbar.shape[2]
+    g = H // Hkv
+    qb = to_blocks(q * scale, block)  # (B, H, nb, s, D); padded rows are dropped at the end
+    nb = qb.shape[2]
+    qb = qb.view(B, Hkv, g, nb, block, D)
+    kb, vb = to_blocks(k, block), to_blocks(v, block)  # (B, Hkv, nb, s, D)
+    vbar = vbar.view(B, Hkv, g, R, vbar.shape[-1])
+    step = max(1, COMBINER_CHUNK // (B * H * block * (block + R)))  # blocks per chunk
+    run = _combiner_chunk
+    if step < nb and torch.is_grad_enabled():
+        run = functools.partial(torch.utils.checkpoint.checkpoint, _combiner_chunk, use_reentrant=False)
+    out = torch.cat([run(qb[:, :, :, n:n + step], kb[:, :, n:n + step], vb[:, :, n:n + step], kbar, vbar,
+                         first_block + n) for n in range(0, nb, step)], dim=3)  # (B, Hkv, g, nb, s, D)
+    return out.reshape(B, H, nb * block, -1)[:, :, :L]
+
+
+def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
+    """combiner_blocks for the n blocks first_block .. of qb (B, Hkv, g, n, s, D), q scaled."""
+    n, block, R = qb.shape[3], qb.shape[4], kbar.shape[2]
+    causal = torch.ones(block, block, dtype=torch.bool, device=qb.device).tril()  # (s, s)
+    earlier = (torch.arange(R, device=qb.device)
+               < first_block + torch.arange(n, device=qb.device)[:, None])  # (n, R): spans r < block
+    # masked in place: einsum's backward needs its inputs, not its output
+    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb)  # (B, Hkv, g, n, s, s)
+    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar)  # (B, Hkv, g, n, s, R)
+    direct.masked_fill_(~causal, NEG_INF)
+    span.masked_fill_(~earlier[:, None, :], NEG_INF)
+    p = torch.softmax(torch.cat([direct, span], dim=-1), dim=-1)  # (B, Hkv, g, n, s, s + R)
+    return (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
+            + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
+
 
 # ---------------------------------------------------------------------------- BLOCKWISE: the core ops
 
@@ -530,8 +593,25 @@ def blockwise_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_ma
         return y.view(B, H, T, D)
 
 
+def blockwise_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
+    """attention.combiner_attention through `combiner_blocks`: the queries are padded back to
+    the start of the first query's block, whose keys must be in k (combiner's KV cache keeps
+    them)."""
+    with torch.autocast(q.device.type, enabled=False):
+        key_offset(q, k, q_start, k_start)
+        first = q_start // block * block  # where the first query's block starts
+        if first < k_start:
+            raise ValueError(f"combiner needs the keys of the first query's block, from position {first}; "
+                             f"they start at {k_start}")
+        keys = slice(first - k_start, None)
+        if q_start > first:
+            q = F.pad(q, (0, 0, q_start - first, 0))  # (B, H, q_start - first + T, D)
+        q, k, v, kbar, vbar = _float32(q, k[:, :, keys], v[:, :, keys], kbar, vbar)
+        return combiner_blocks(q, k, v, kbar, vbar, first // block, block, scale)[:, :, q_start - first:]
+
+
 BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attention,
-                blockwise_pair_gated_attention, blockwise_topk_attention)
+                blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -678,5 +758,39 @@ def flex_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
     return _run_flex(q, k, v, keep_top, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
 
 
+def combiner_block_mask(T, S, R, q_start, k_start, block, device):
+    """The block mask of [Combiner] over keys [k; kbar] (S keys, then R summaries): query i
+    sees key j < S in its own aligned block, at or before it, and summary S + r of every
+    block r before its own. Cached like `block_mask`."""
+    def visible(b, h, i, j):
+        q_pos, k_pos = q_start + i, k_start + j
+        direct = (j < S) & (k_pos <= q_pos) & (k_pos // block == q_pos // block)
+        span = (j >= S) & (j - S < q_pos // block)
+        return direct | span
+
+    if torch.compiler.is_compiling():
+        return create_block_mask(visible, None, None, T, S + R, device=device)
+    key = ("combiner", T, S, R, q_start, k_start, block, str(device))
+    if key not in _block_masks:
+        if len(_block_masks) >= MAX_CACHED_MASKS:
+            _block_masks.clear()
+        _block_masks[key] = create_block_mask(visible, None, None, T, S + R, device=device)
+    return _block_masks[key]
+
+
+def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
+    """attention.combiner_attention: FlexAttention over keys [k; kbar] and values [v; vbar]
+    with `combiner_block_mask`, whose skipped tiles keep the work O(T (s + R)), up to
+    FlexAttention's 128-token tiles. vbar has one head per query head, so grouped key heads
+    are expanded here (a copy of k and v)."""
+    T, S, R = q.shape[2], k.shape[2], kbar.shape[2]
+    H = q.shape[1]
+    q, k, v, kbar, vbar = _same_dtype(q, k, v, kbar, vbar)
+    keys = expand_kv(torch.cat([k, kbar], dim=2), H)  # (B, H, S + R, D)
+    values = torch.cat([expand_kv(v, H), vbar], dim=2)  # (B, H, S + R, D)
+    mask = combiner_block_mask(T, S, R, q_start, k_start, block, q.device)
+    return _run_flex(q, keys, values, None, mask, scale)
+
+
 FLEX = Ops("FlexAttention + SDPA (kernels.py)", flex_attention_op, flex_pair_gated_attention,
-           flex_topk_attention)
+           flex_topk_attention, flex_combiner_attention)

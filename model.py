@@ -122,6 +122,7 @@ class KVCache:
     def __init__(self):
         self.k = self.v = None
         self.start = self.end = 0
+        self.state = {}  # what a variant keeps beside keys and values (combiner's block summaries)
 
     def update(self, k, v, start):
         """Append keys/values (B, Hkv, T, D) of positions start ..; returns all cached keys,

@@ -7,7 +7,11 @@ the fused path (kernel='fused', kernels.py's blockwise loops) and causal SDPA, e
 forked child process, float32, memory as the peak resident set; then a Markdown table and
 the CPU targets (fused `local` at T=8192 >= 6x faster than causal SDPA and >= 12x than the
 reference, memory <= 1/8; windowed paths <= 2.3x per doubling of T; `asga` fused >= 2x faster
-and <= 1/10 the memory of the reference at T=2048).
+and <= 1/10 the memory of the reference at T=2048; `combiner` fused memory, which grows as
+T (s + T/s) with s = window, <= 2.3x per doubling of T from 4096 to 16384).
+benchmarks/combiner_cpu.json holds `combiner` rows measured the same way (forked process,
+VmHWM, 1 thread) before this benchmark took the variant: paths 'reference', 'fused', 'sdpa',
+T = 1024 .. 16384 (fused memory 67, 201, 263, 316, 573 MB; the reference past 6 GiB from 8192).
 
 On CUDA: the fused path (kernel='fused': FlexAttention + SDPA, compiled) against flash SDPA
 causal at T in 1024 .. 16384, bf16 autocast as in training, peak memory from
@@ -30,12 +34,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 BENCH = dict(B=1, H=8, D=64, d_model=512, window=256)
-VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa")
+VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa", "combiner")
 # The reference's peak memory in units of one fp32 (B, H, T, T) score matrix, plus asga's
 # (B, H, T, T, r) pair tensors: measured with this benchmark at T = 1024 and 2048 (3.3 for
-# full/local/dsa, 8.8 for caa, 3.1 pair tensors for asga) and rounded up. Used only to skip a
+# full/local/dsa, 8.8 for caa, 3.1 pair tensors for asga; 3.3 (T, T + T/s) for combiner) and rounded up. Used only to skip a
 # reference that cannot fit in the memory budget; the row then says OOM, with the prediction.
-REF_SCORES = dict(full=4, local=4, dsa=4.5, asga=4, caa=10)
+REF_SCORES = dict(full=4, local=4, dsa=4.5, asga=4, caa=10, combiner=5)
 REF_PAIRS = dict(asga=3.5)
 GPU_GOALS = dict(local=1.0, dsa=1.0, caa=2.0, asga=3.0)  # fused / flash SDPA time at T=4096
 
@@ -204,6 +208,9 @@ def targets(rows):
         check(f"{variant} fused memory 8192/4096 (<= 2.3)", ratio(mem, (variant, 8192, "fused"), (variant, 4096, "fused")), lambda x: x <= 2.3)
     check("asga T=2048 ref/fused time (>= 2)", ratio(get, ("asga", 2048, "ref"), ("asga", 2048, "fused")), lambda x: x >= 2)
     check("asga T=2048 fused/ref memory (<= 0.1)", ratio(mem, ("asga", 2048, "fused"), ("asga", 2048, "ref")), lambda x: x <= 0.1)
+    for T in (8192, 16384):  # T (s + T/s): nearly linear while T/s < s = 256
+        check(f"combiner fused memory {T}/{T // 2} (<= 2.3)",
+              ratio(mem, ("combiner", T, "fused"), ("combiner", T // 2, "fused")), lambda x: x <= 2.3)
     check("asga T=8192 fused runs, seconds", None if get.get(("asga", 8192, "fused")) is None
           else get[("asga", 8192, "fused")] / 1e3, lambda x: True)
     return checks

@@ -46,6 +46,7 @@ CONFIGS = [
     ("asga", dict(asga_gate="learned", asga_scale=True, asga_gate_space="prob")),
     *[("caa", dict(caa_gate=g, caa_topk=k)) for g in ("learned", "local", "global") for k in ("sqrt", "all")],
     ("caa", dict(caa_gate="learned", caa_topk="sqrt", caa_gate_norm=True)),
+    ("combiner", {}),  # its block is `window`
 ]
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
 
@@ -61,7 +62,7 @@ def one_thread():
 
 
 def uses_window(attn, flags):
-    return (attn in ("local", "caa") or (attn == "dsa" and flags["dsa_window"] != "none")
+    return (attn in ("local", "caa", "combiner") or (attn == "dsa" and flags["dsa_window"] != "none")
             or (attn == "asga" and flags["asga_gate"] == "fixed"))
 
 
@@ -161,6 +162,8 @@ def test_fused_equals_reference(attn, flags):
                 check(module, T, B=1 if T == 1000 else 2)
 
 
+NEEDS_SUMMARIES = ("combiner's earlier blocks' summaries live in a KVCache: tests/test_combiner.py checks "
+                   "its core op after cached keys and its cached decoding")
 CACHE_CASES = [  # (first query position, first key position, T): S = p0 + T - k0 > T
     (300, 0, 1), (300, 0, 7), (300, 150, 7), (95, 0, 7), (300, 260, 1), (200, 100, 100),
 ]
@@ -170,6 +173,8 @@ CACHE_CASES = [  # (first query position, first key position, T): S = p0 + T - k
 def test_fused_equals_reference_with_cache(attn, flags):
     """Queries after cached keys (k_start may be > 0, as after trimming a window's cache);
     dsa's threshold (100) falls inside the (95, 0, 7) case."""
+    if attn == "combiner":
+        pytest.skip(NEEDS_SUMMARIES)
     module = make_module(attn, **flags, **WINDOWS["w100"])
     for p0, k0, T in CACHE_CASES:
         if not ill_conditioned(module.cfg, T, p0, k0):
@@ -181,7 +186,8 @@ def test_fused_equals_reference_gqa(attn):
     module = make_module(attn, n_head=4, n_kv_head=2, **WINDOWS["w5"])
     for T in (7, 257):
         check(module, T)
-    check(module, 7, p0=300, k0=150)
+    if attn != "combiner":  # NEEDS_SUMMARIES
+        check(module, 7, p0=300, k0=150)
 
 
 @pytest.mark.parametrize("attn,flags", CONFIGS, ids=IDS)
@@ -193,7 +199,7 @@ def test_flex_equals_reference(attn, flags):
     for T in LENGTHS:  # gradients up to T = 257 (at 1000, uncompiled flex is slow, not different)
         if not ill_conditioned(module.cfg, T):
             check(module, T, B=1, kernel="flex", grads=T < 1000)
-    for p0, k0, T in [(300, 150, 7), (95, 0, 7), (300, 0, 1)]:
+    for p0, k0, T in [(300, 150, 7), (95, 0, 7), (300, 0, 1)] if attn != "combiner" else []:  # NEEDS_SUMMARIES
         if not ill_conditioned(module.cfg, T, p0, k0):
             check(module, T, B=1, p0=p0, k0=k0, kernel="flex")
 
@@ -301,7 +307,7 @@ def test_bf16_autocast(attn, flags):
 
 GRAPH_CONFIGS = [("full", {}), ("local", {}), ("dsa", dict(dsa_window="adaptive")),
                  ("asga", dict(asga_gate="learned")), ("asga", dict(asga_gate_space="prob")),
-                 ("asga", dict(asga_gate="fixed")), ("caa", dict(caa_topk="sqrt"))]
+                 ("asga", dict(asga_gate="fixed")), ("caa", dict(caa_topk="sqrt")), ("combiner", {})]
 
 
 @pytest.mark.parametrize("attn,flags", GRAPH_CONFIGS, ids=[f"{a}-{o}" for a, o in GRAPH_CONFIGS])

@@ -20,9 +20,11 @@ VARIANTS = {
     "asga": dict(attn="asga"),
     "asga_fixed": dict(attn="asga", asga_gate="fixed"),
     "caa": dict(attn="caa", caa_window_max=16),
+    "combiner": dict(attn="combiner"),
 }
 # Variants whose cache must roll: query position from which it holds <= window (+1 in a step).
-ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16, "asga_fixed": 0}  # asga fixed: a window mask
+# combiner: the last token's block of `window` keys (+ its block summaries in cache.state).
+ROLLING = {"local": 0, "dsa_fixed": 0, "dsa_adaptive": 16, "asga_fixed": 0, "combiner": 0}  # asga fixed: a window mask
 
 
 def tiny_model(seed=0, vocab=128, **kw):
