@@ -158,7 +158,7 @@ def write_shard(path, tokens):
 def load_shard(path):
     """Memory-map one shard after checking its header; returns a read-only uint16 (N,) array."""
     path = str(path)
-    fix = f"delete it and re-create the folder with `python data.py ...` (or re-download it)"
+    fix = "delete it and re-create the folder with `python data.py ...` (or re-download it)"
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: truncated shard: {size} bytes is shorter than the "

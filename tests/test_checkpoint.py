@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import data
-import sample
 import train
 from conftest import ROOT
 from model import CheckpointError, Model, ModelConfig, load_checkpoint, read_checkpoint, save_checkpoint
