@@ -262,7 +262,8 @@ def model_config(tc, overrides):
     if overrides.get("attn", "full") not in VARIANTS:
         fail(f"unknown --attn={overrides['attn']}; valid attention variants: {', '.join(VARIANTS)}")
     try:  # the data folder's tokenizer sets the vocabulary, unless --vocab_size does
-        n_ids = data.tokenizer_of(tc.data_dir)[1] if os.path.isdir(tc.data_dir) else PRESETS[tc.model].get("vocab_size", 50257)
+        has_data = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE)) or train_tokens_found(tc.data_dir)[0]
+        n_ids = data.tokenizer_of(tc.data_dir)[1] if has_data else PRESETS[tc.model].get("vocab_size", 50257)
         overrides = {"vocab_size": -(-n_ids // 64) * 64, **overrides}  # a multiple of 64: 50257 -> 50304
         data.check_vocab(tc.data_dir, overrides["vocab_size"])
     except data.ShardError as e:
@@ -354,7 +355,8 @@ def print_plan(tc, mc, run, accum, resumed):
         n_params = Model(mc).num_params()
     planned = tc.max_steps * tc.total_batch_tokens
     found, problem = train_tokens_found(tc.data_dir)
-    if mc.vocab_size <= 256:  # a byte-level model: FineWeb text read as bytes
+    recorded = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE))
+    if (data.tokenizer_of(tc.data_dir)[0] if recorded else "byte" if mc.vocab_size <= 256 else "gpt2") == "byte":
         make = f"python data.py --tokenizer=byte --source=fineweb --out_dir={tc.data_dir} --max_tokens={planned}"
     else:  # GPT-2 tokens: the public pre-tokenized shards
         make = f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={math.ceil(planned / SHARD_TOKENS)}"

@@ -90,31 +90,32 @@ def test_cpu_dry_run_plans_the_cpu_default_and_presets_win(capsys, tmp_path):
     if not torch.cuda.is_available():  # no --device: this machine's default is the CPU one
         assert plan(capsys, f"--data_dir={tmp_path}") == cpu
     forced = plan(capsys, "--device=cuda", "--preset=cpu", f"--data_dir={tmp_path}")
-    assert "preset cpu" in forced and "tiny" in forced and "qwen-134m" not in forced
+    assert "preset cpu" in forced and "bytes (0.9M parameters)" in forced and "qwen-134m" not in forced
     paper = plan(capsys, "--device=cpu", "--preset=004", "--max_steps=7", f"--data_dir={tmp_path}")
     assert "qwen-134m" in paper and "preset 004" in paper and "steps       7," in paper
 
 
 def test_data_budget_warning_names_epochs_and_the_shards_to_fetch(capsys, shards):
-    # 1000 steps x 1024 tokens = 1,024,000 planned over 179,968 train tokens: 5.69 epochs
+    step_tokens = train.TRAIN_PRESETS["cpu"]["total_batch_tokens"]
+    found = sum(len(data.load_shard(p)) for p in data.find_shards(shards, "train"))  # 179,968
     out = plan(capsys, "--device=cpu", f"--data_dir={shards}", "--max_steps=1000")
-    found = sum(len(data.load_shard(p)) for p in data.find_shards(shards, "train"))
     assert f"{found:,} training tokens found" in out
     warning = [line for line in out.splitlines() if line.startswith("warning:")]
-    assert len(warning) == 1 and f"{1_024_000 / found:.2f} epochs" in warning[0], out
+    assert len(warning) == 1 and f"{1000 * step_tokens / found:.2f} epochs" in warning[0], out
     assert f"python data.py --source=fineweb-gpt2 --out_dir={shards} --shards=1" in warning[0]
-    big = plan(capsys, "--device=cpu", f"--data_dir={shards}", "--max_steps=250000")  # 256M tokens
-    assert "--shards=3" in big
-    assert "warning" not in plan(capsys, "--device=cpu", f"--data_dir={shards}", "--max_steps=100")
+    big = plan(capsys, "--device=cpu", f"--data_dir={shards}", f"--max_steps={250_000_000 // step_tokens}")
+    assert "--shards=3" in big  # 250M tokens: 3 shards of 100M
+    assert "warning" not in plan(capsys, "--device=cpu", f"--data_dir={shards}", f"--max_steps={found // step_tokens}")
 
 
 def test_defaults_fit_any_world_size_and_typed_values_do_not(capsys, monkeypatch, tmp_path):
-    # cpu default: 8 x 128 x 2 processes = 2048 > 1024 tokens: the global batch stays, batch_size halves
+    # cpu default: 16 x 256 x 2 processes = 8192 > 4096 tokens: the global batch stays, batch_size halves
     out = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", world=2, monkeypatch=monkeypatch)
-    assert "note: batch_size 8 -> 4" in out and "1,024 tokens/step = 4 seq x 128 tokens x 2 process(es) x 1" in out
-    # 3 processes cannot split 8 sequences: the global batch moves to the nearest multiple
+    assert "note: batch_size 16 -> 8" in out and "4,096 tokens/step = 8 seq x 256 tokens x 2 process(es) x 1" in out
+    # 3 processes cannot split 4096 tokens of 256-token sequences: the global batch moves to
+    # the nearest multiple of 16 x 256 x 3
     out = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", world=3, monkeypatch=monkeypatch)
-    assert "note: total_batch_tokens 1,024 -> 3,072" in out
+    assert "note: total_batch_tokens 4,096 -> 12,288" in out
     # the GPU default on 3 GPUs: 2^19 -> 11 x (16 x 1024 x 3)
     out = plan(capsys, "--device=cuda", f"--data_dir={tmp_path}", world=3, monkeypatch=monkeypatch)
     assert "note: total_batch_tokens 524,288 -> 540,672" in out and "x 3 process(es) x 11 accumulation" in out
