@@ -81,8 +81,8 @@ WINDOWS = (16, 32, 64, 128, 256)
 # 384 of 512 (75%; at the papers' seq_len 1024 it is 50%, at 002's 32768 98.4%).
 TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=4, head_dim=32,
             mlp_hidden=384, window=64, dsa_threshold=128, caa_window_max=128,
-            seq_len=512, batch_size=4, total_batch_tokens=2048, lr=3e-3, warmup_steps=20,
-            max_steps=400, eval_every=50, val_tokens=16384, gate_batch=2, ckpt_every=100)
+            seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
+            max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
 
 # Seconds per optimizer step (and per recall run's evaluation), measured with
 # OMP_NUM_THREADS=1 on the shared 2-core machine (load 5-9 from other jobs); see the report
@@ -99,31 +99,31 @@ def windowed_share(seq_len, threshold):
 # Every number of the papers' tables, checked against the paper texts: (paper, the paper's
 # row, validation loss, its ± if given, memory, speed as the paper gives it, our config).
 PAPERS = {
-    "000": "Dynamic head gating with local windowed attention (000; 001 is a plain-text copy)",
+    "000": "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis (000; 001 is a plain-text rendering of it)",
     "002": "Dynamic Sparse Attention for Efficient Language Modeling (002)",
-    "003": "Adaptive Sparse-Geometric Attention, ASGA (003)",
+    "003": "Adaptive Sparse-Geometric Attention: A Comprehensive Empirical Analysis, ASGA (003)",
     "004": "Context-Adaptive Attention: A Balanced Approach for Efficient Language Modeling, CAA (004)",
 }
 PAPER_BASELINES = {"000": 4.9266, "002": 4.9266, "003": 4.927, "004": 4.9266}
 PAPER_ROWS = [
-    ("000", "Baseline Attention", 4.9266, None, None, "24.5 h training", "full"),
-    ("000", "Our Method (always windowed, W=256)", 4.6498, None, None, "25.1 h training", "dsa_fixed"),
-    ("002", "Qwen baseline", 4.9266, None, "28 GB", "13,200 tok/s", "full"),
-    ("002", "Full Model (adaptive window)", 4.904, None, "22 GB", "12,500 tok/s (0.95x)", "dsa"),
-    ("002", "No Gating", 4.918, None, None, None, "dsa_nogate"),
-    ("002", "Fixed Window", 4.927, None, None, None, "dsa_fixed"),
-    ("002", "No Window", 5.012, None, None, None, "dsa_nowin"),
-    ("002", "Probabilistic Positional Attention", 5.13, None, None, None, None),
-    ("003", "Qwen Baseline", 4.927, 0.012, None, "1.00x", "full"),
-    ("003", "Dynamic Sparse", 4.904, 0.011, None, "1.15x", "dsa"),
-    ("003", "ASGA (Ours)", 5.148, 0.015, None, "0.92x", "asga"),
-    ("003", "Removing geometric scaling", 5.201, None, None, None, "asga_noscale"),
-    ("003", "Fixed sparsity patterns", 5.087, None, None, None, "asga_fixed"),
-    ("003", "Disabling both components", 4.930, None, None, None, "asga_off"),
-    ("004", "Baseline", 4.9266, None, "31.5 GB", "1.00x", "full"),
-    ("004", "Sparse [Combiner]", 4.904, None, "29.8 GB", "1.05x", "combiner"),
-    ("004", "Local [Longformer]", 5.021, None, "30.2 GB", "1.03x", "local"),
-    ("004", "CAA", 4.712, None, "66.6 GB", "0.82x", "caa"),
+    ("000", "Baseline Attention", "4.9266", None, None, "24.5 h training", "full"),
+    ("000", "Our Method", "4.6498", None, None, "25.1 h training", "dsa_fixed"),
+    ("002", "Qwen baseline", "4.9266", None, "28 GB", "13,200 tok/s", "full"),
+    ("002", "Full Model", "4.904", None, "22 GB", "12,500 tok/s (0.95x)", "dsa"),
+    ("002", "No Gating", "4.918", None, None, None, "dsa_nogate"),
+    ("002", "Fixed Window", "4.927", None, None, None, "dsa_fixed"),
+    ("002", "No Window", "5.012", None, None, None, "dsa_nowin"),
+    ("002", "Probabilistic Positional Attention", "5.1300", None, None, None, None),
+    ("003", "Qwen Baseline", "4.927", 0.012, None, "1.00x", "full"),
+    ("003", "Dynamic Sparse", "4.904", 0.011, None, "1.15x", "dsa"),
+    ("003", "ASGA (Ours)", "5.148", 0.015, None, "0.92x", "asga"),
+    ("003", "Removing geometric scaling", "5.201", None, None, None, "asga_noscale"),
+    ("003", "Fixed sparsity patterns", "5.087", None, None, None, "asga_fixed"),
+    ("003", "Disabling both components", "4.930", None, None, None, "asga_off"),
+    ("004", "Baseline", "4.9266", None, "31.5 GB", "1.00x", "full"),
+    ("004", "Sparse [Combiner]", "4.904", None, "29.8 GB", "1.05x", "combiner"),
+    ("004", "Local [Longformer]", "5.021", None, "30.2 GB", "1.03x", "local"),
+    ("004", "CAA", "4.712", None, "66.6 GB", "0.82x", "caa"),
 ]
 PAPER_NOTES = [
     "**dsa's two configurations.** 000/001 window every query (W=256, no threshold): "
@@ -195,29 +195,25 @@ def train(cmd, out_dir):
 
 
 def jobs(args):
-    """[(part, label, run dir, config name, callable)] in the order they run: the positive
-    controls first (recall full/local, the window runs), every configuration of seed 0 before
-    seed 1, so a cut-short sweep has the most informative runs."""
+    """[(part, label, run dir, config name, attn, flags, callable)] in the order they run: the
+    positive controls first (recall full/local, then the window runs, `full` first), each
+    configuration's seeds together, so a cut-short sweep has complete paired rows."""
     out, kernel = Path(args.out_dir), args.kernel
     found = []
     for name, attn, flags in sorted(RECALL_CONFIGS, key=lambda c: c[0] not in ("full", "local")):
         o = out / "recall" / f"{name}_s0"
         found.append(("recall", f"recall {name}", o, name, attn, flags, lambda a=attn, f=flags, o=o, n=name: recall.run(
             a, 0, o, args.recall_data_dir, flags=f, name=n, kernel=kernel)))
-    for seed in SEEDS:
-        for w in WINDOWS:
-            name = window_run_name(w)
+    for name, w in [("full", None)] + [(window_run_name(w), w) for w in WINDOWS]:
+        for seed in SEEDS:
             o = out / "text" / f"{name}_s{seed}"
-            cmd = text_command("local" if w else "full", {"window": w} if w != TEXT["window"] else {},
-                               seed, o, args.data_dir, kernel)
-            found.append(("window", f"window W={w} seed {seed}", o, name, "local", {}, lambda c=cmd, o=o: train(c, o)))
-        o = out / "text" / f"full_s{seed}"
-        found.append(("window", f"full seed {seed}", o, "full", "full", {},
-                      lambda c=text_command("full", {}, seed, o, args.data_dir, kernel), o=o: train(c, o)))
-    for seed in SEEDS:
-        for name, attn, flags in TEXT_CONFIGS:
-            if name in ("full", "local"):
-                continue  # run above with the window control
+            attn, flags = ("full", {}) if w is None else ("local", {} if w == TEXT["window"] else {"window": w})
+            cmd = text_command(attn, flags, seed, o, args.data_dir, kernel)
+            found.append(("window", f"window {name} seed {seed}", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
+    for name, attn, flags in TEXT_CONFIGS:
+        if name in ("full", "local"):
+            continue  # run above with the window control
+        for seed in SEEDS:
             o = out / "text" / f"{name}_s{seed}"
             found.append(("text", f"text {name} seed {seed}", o, name, attn, flags,
                           lambda c=text_command(attn, flags, seed, o, args.data_dir, kernel), o=o: train(c, o)))
@@ -237,7 +233,8 @@ def done(part, run_dir):
 
 def sweep(args):
     t0 = time.time()
-    todo = [j for j in jobs(args) if args.only in (None, j[0])]
+    names = set(args.configs.split(",")) if args.configs else None
+    todo = [j for j in jobs(args) if args.only in (None, j[0]) and (names is None or j[3] in names)]
     for i, (part, label, run_dir, name, attn, flags, job) in enumerate(todo):
         why = unavailable(attn, flags)
         if why:
@@ -526,9 +523,9 @@ def paper_section(stats):
          "| our tok/s vs full | our peak mem vs full | verdict |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for paper, row, loss, pm, mem, speed, cfg in PAPER_ROWS:
-        pdelta = loss - PAPER_BASELINES[paper]
+        pdelta = float(loss) - PAPER_BASELINES[paper]
         s = stats.get(cfg) if cfg else None
-        loss_text = f"{loss:.4f}" + (f" ± {pm:.3f}" if pm is not None else "")
+        loss_text = loss + (f" ± {pm:.3f}" if pm is not None else "")
         base = cfg == "full"
         ours = "not built (see below)" if cfg is None else ("baseline" if base else (_delta(s) if s else "pending"))
         v = "–" if cfg is None or base else verdict(s["delta"] if s else None, s["hw"] if s else None, pdelta)
@@ -583,6 +580,8 @@ def main(argv=None):
     p.add_argument("--results_md", default=str(ROOT / "RESULTS.md"))
     p.add_argument("--kernel", default=None, help="ref | fused (default: fused if kernels.py is committed)")
     p.add_argument("--only", choices=("recall", "window", "text"), default=None)
+    p.add_argument("--configs", default=None, help="only these configuration names (comma-separated; "
+                   "window runs are named local_wW)")
     p.add_argument("--plan", action="store_true", help="list the runs and the estimated time left")
     p.add_argument("--results_only", action="store_true", help="only rewrite RESULTS.md and the figures")
     args = p.parse_args(argv)
