@@ -1,6 +1,7 @@
 """The study's figures, drawn from the numbers experiments/sweep.py reads out of the logs:
 
-    assets/study_loss.png     validation loss per configuration: seed mean, band = min..max over seeds
+    assets/study_loss.png     validation loss per configuration (seed mean, band = min..max over seeds)
+                              and its paired difference from `full` at each evaluation
     assets/study_window.png   `local`'s paired Δ from `full` against the window W (95% intervals)
     assets/study_recall.png   recall accuracy by lag per configuration, W and L*W marked, chance line
 
@@ -20,29 +21,45 @@ def _plt():
 
 
 def loss_curves(stats, configs, path):
-    """One panel per family (full/local, dsa, asga, caa/combiner), seed bands."""
+    """One column per family (full/local, dsa, asga, caa/combiner). Top: validation loss, seed
+    mean and min..max band. Bottom: the paired difference from `full` at the same seed and
+    step, mean and band (what the tables report, at every evaluation)."""
     plt = _plt()
-    families = [("full / local", ("full", "local")), ("dsa", ("full", "dsa")), ("asga", ("full", "asga")),
-                ("caa / combiner", ("full", "caa", "combiner"))]
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), sharey=True)
-    for ax, (title, prefixes) in zip(axes, families):
+    families = [("full / local", ("local",)), ("dsa", ("dsa",)), ("asga", ("asga",)),
+                ("caa / combiner", ("caa", "combiner"))]
+    full = stats.get("full")
+    fig, axes = plt.subplots(2, len(families), figsize=(4.2 * len(families), 6.4), sharey="row", sharex=True)
+    for col, (title, prefixes) in enumerate(families):
+        top, bottom = axes[0, col], axes[1, col]
         for name, *_ in configs:
             s = stats.get(name)
-            if s is None or not (name == "full" or any(name.startswith(p) for p in prefixes[1:])):
+            if s is None or not (name == "full" or name.startswith(prefixes)):
                 continue
-            curves = [dict(r["evals"]) for r in s["runs"].values()]
-            steps = sorted(set.intersection(*(set(c) for c in curves)) - {0})
+            seeds = sorted(s["runs"])
+            curves = {seed: dict(s["runs"][seed]["evals"]) for seed in seeds}
+            steps = sorted(set.intersection(*(set(c) for c in curves.values())) - {0})
             if not steps:
                 continue
-            vals = [[c[t] for c in curves] for t in steps]
-            mean = [sum(v) / len(v) for v in vals]
-            line, = ax.plot(steps, mean, label=f"{name} ({len(curves)} seeds)", lw=2 if name == "full" else 1.2,
-                            color="black" if name == "full" else None)
-            ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-    axes[0].set_ylabel("validation loss (nats / byte)")
+            vals = [[curves[seed][t] for seed in seeds] for t in steps]
+            line, = top.plot(steps, [sum(v) / len(v) for v in vals], label=f"{name} ({len(seeds)} seeds)",
+                             lw=2 if name == "full" else 1.2, color="black" if name == "full" else None)
+            top.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
+            if name == "full" or full is None:
+                continue
+            paired = [seed for seed in seeds if seed in full["runs"]]
+            full_curves = {seed: dict(full["runs"][seed]["evals"]) for seed in paired}
+            dsteps = [t for t in steps if all(t in full_curves[seed] for seed in paired)]
+            if not paired or not dsteps:
+                continue
+            d = [[curves[seed][t] - full_curves[seed][t] for seed in paired] for t in dsteps]
+            bottom.plot(dsteps, [sum(v) / len(v) for v in d], color=line.get_color(), lw=1.2)
+            bottom.fill_between(dsteps, [min(v) for v in d], [max(v) for v in d], color=line.get_color(), alpha=0.2)
+        bottom.axhline(0, color="black", lw=1)
+        top.set_title(title)
+        bottom.set_xlabel("step")
+        top.legend(fontsize=7)
+    axes[0, 0].set_ylabel("validation loss (nats / byte)")
+    axes[1, 0].set_ylabel("paired Δ vs full")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -26,7 +26,14 @@ log ends with train.py's `end` record is skipped, one with a checkpoint is resum
 sweep can be finished over several sittings; commit the logs (not ckpt.pt) as you go.
 Figures go to assets/study_*.png.
 
-Budget (STEP_SECONDS below, measured on the shared 2-core machine; `--plan` adds them up).
+Budget: 15 recall runs of 1500 steps, 18 window runs and 33 more text runs of 500 steps
+(11 more configurations x 3 seeds). `--plan` adds up STEP_SECONDS, measured with one thread
+while four other jobs loaded the 2 cores (load 7-14): 12.7 h for everything this checkout can
+run (15.1 h with `combiner` and `asga_prob` once they exist: recall 6.6, window 1.3, text
+7.1), an upper bound; a one-thread job at load 8 gets about a quarter of a core, so on a quiet
+2-core machine the whole sweep should take about a quarter of that, 3-4 h. asga's pair MLP
+over every (query, key) pair is the largest single cost (asga, asga_noscale, asga_prob: 2.6
+s/step against full's 0.54, 3.3 of the 7.1 text hours).
 """
 import argparse
 import json
@@ -84,10 +91,35 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
             seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
             max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
 
-# Seconds per optimizer step (and per recall run's evaluation), measured with
-# OMP_NUM_THREADS=1 on the shared 2-core machine (load 5-9 from other jobs); see the report
-# in RESULTS.md. Used only by --plan.
-STEP_SECONDS = {"text": {}, "recall": {}}
+# Seconds per optimizer step, measured with OMP_NUM_THREADS=1 while 4 other jobs shared the
+# 2 cores (load average 7-14), so they are upper bounds: `python experiments/calibrate.py
+# --steps=12 --part=text` (at 2048 bytes per step; halved here for the 1024 of TEXT) and
+# `--part=recall --steps=10`; text full/local and recall full/local are the medians of the
+# committed runs' logs. Unmeasured variants (flags not in this checkout) count as `full`.
+STEP_SECONDS = {
+    "text": {"full": 0.54, "local": 0.53, "dsa": 0.66, "asga": 2.61, "caa": 0.89},
+    "recall": {"full": 1.03, "local": 0.8, "dsa": 0.88, "asga": 1.39, "caa": 0.87},
+}
+# On a quiet machine (2 threads, no other jobs) steps are several times faster: the first
+# calibration run, at load 0.3 with 2 threads, trained 4096 tokens of length 256 per step in
+# 0.23 s, more work than a recall step here, which takes 0.8-1.0 s at load 8.
+
+
+def ngram_baselines(data_dir, val_tokens):
+    """Cross-entropy (nats per byte) on the validation bytes the runs are scored on of the
+    train split's unigram and bigram statistics (bigram counts + 0.01): the losses a model
+    must get below to be using more than one previous byte."""
+    import numpy as np
+    from data import find_shards, load_shard
+
+    train = np.concatenate([np.asarray(load_shard(p)) for p in find_shards(data_dir, "train")]).astype(np.int64)
+    val = np.asarray(load_shard(find_shards(data_dir, "val")[0]))[:val_tokens].astype(np.int64)
+    uni = np.bincount(train, minlength=256) + 1.0
+    bi = np.full((256, 256), 0.01)
+    np.add.at(bi, (train[:-1], train[1:]), 1)
+    return {"unigram": float(-np.log(uni[val] / uni.sum()).mean()),
+            "bigram": float(-np.log((bi / bi.sum(1, keepdims=True))[val[:-1], val[1:]]).mean()),
+            "val_bytes": int(len(val))}
 
 
 def windowed_share(seq_len, threshold):
@@ -245,6 +277,10 @@ def sweep(args):
             if not Path(args.data_dir, text_data.MARKER).exists():
                 sys.exit(f"no byte shards in {args.data_dir}: pass --text_source=TRAIN.jsonl "
                          f"--text_val_source=VAL.jsonl (data.py's --source forms) to make them")
+        baselines = Path(args.out_dir, "text", "baselines.json")
+        if part != "recall" and not baselines.exists():
+            baselines.parent.mkdir(parents=True, exist_ok=True)
+            baselines.write_text(json.dumps(ngram_baselines(args.data_dir, TEXT["val_tokens"])) + "\n")
         t = time.time()
         ran = job()
         print(f"[{i + 1}/{len(todo)}] {label}: {'%.0f s' % (time.time() - t) if ran is not False else 'done before'}"
@@ -260,13 +296,15 @@ def plan(args):
     for part, label, run_dir, name, attn, flags, _ in jobs(args):
         why = unavailable(attn, flags)
         steps = recall.TRAIN["max_steps"] if part == "recall" else TEXT["max_steps"]
-        sec = STEP_SECONDS["recall" if part == "recall" else "text"].get(attn)
+        table = STEP_SECONDS["recall" if part == "recall" else "text"]
+        sec = table.get(attn, table["full"])
         est = None if sec is None else sec * steps
         state = "done" if done(part, run_dir) else (f"pending: {why}" if why else "to run")
         if state == "to run" and est:
             total += est
         print(f"{label:32s} {state:12s} {'' if est is None else f'~{est / 60:.1f} min'}")
-    print(f"estimated time left: {total / 3600:.2f} h (runs with a measured step time)")
+    print(f"estimated time left: {total / 3600:.2f} h at the step times measured on the loaded "
+          f"shared machine (an upper bound; see STEP_SECONDS)")
 
 
 # ----------------------------------------------------------------------------- reading logs
@@ -398,7 +436,7 @@ def write_results(out, md_path, figures=False):
          f"--results_only`) from the run logs under `{os.path.relpath(out, ROOT)}/`; no number below "
          f"is typed by hand except the papers' own. A row marked *pending* has no finished log yet: "
          f"{PENDING} (it skips every finished run).", ""]
-    L += setup_section()
+    L += setup_section(out)
     L += recall_section(rec, out, md_path, link)
     L += window_section(windows, stats.get("full"), link)
     L += text_section(stats, link)
@@ -411,9 +449,14 @@ def write_results(out, md_path, figures=False):
     return stats, windows, rec
 
 
-def setup_section():
+def setup_section(out):
     t, r = TEXT, recall.TRAIN
     share = windowed_share(t["seq_len"], t["dsa_threshold"])
+    path = Path(out, "text", "baselines.json")
+    base = json.loads(path.read_text()) if path.exists() else None
+    base_text = (f" On these validation bytes the train split's unigram statistics score "
+                 f"{base['unigram']:.4f} and its bigram statistics {base['bigram']:.4f} nats per byte "
+                 f"(a run below the bigram number uses more than the previous byte)." if base else "")
     return [
         "## Setup", "",
         f"- **Corpus**: a legal/news-skewed subset of FineWeb (FineWeb sample-10BT documents that "
@@ -426,7 +469,7 @@ def setup_section():
         f"{t['lr']}, validation on the first {t['val_tokens']:,} val bytes. Window W = {t['window']} "
         f"for every windowed variant; dsa's adaptive threshold {t['dsa_threshold']} (2W, as 512 = 2 x 256 "
         f"in 002), so `dsa_window=adaptive` windows {share:.0%} of the positions; caa's width "
-        f"{t['window']}..{t['caa_window_max']}.",
+        f"{t['window']}..{t['caa_window_max']}.{base_text}",
         f"- **Paired seeds**: seeds {', '.join(map(str, SEEDS))}. At one seed every run reads the "
         f"same batches (data.py's loader permutes with its own generator seeded by the seed) and "
         f"starts from the same values of every parameter it shares with `full` "
