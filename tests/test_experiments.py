@@ -180,3 +180,28 @@ def test_committed_results_md_is_regenerated_from_committed_logs():
         assert out.read_text() == committed.read_text()
     finally:
         out.unlink(missing_ok=True)
+
+
+def test_configurations_this_checkout_cannot_build_are_pending_not_guessed():
+    from attention import VARIANTS
+
+    assert sweep.unavailable("dsa", {"dsa_window": "fixed"}) is None
+    assert sweep.unavailable("caa", {"caa_gate": "local"}) is None
+    assert "not accepted" in sweep.unavailable("asga", {"asga_gate": "no-such-gate"})
+    assert "not in this checkout" in sweep.unavailable("no_such_variant", {})
+    assert (sweep.unavailable("combiner", {}) is None) == ("combiner" in VARIANTS)
+
+
+def test_sweep_runs_every_configuration_with_paired_seeds(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(out_dir=str(tmp_path), kernel="ref", recall_data_dir="r", data_dir="d")
+    runs = [(part, Path(run).name) for part, _, run, *_ in sweep.jobs(args)]
+    assert {n for p, n in runs if p == "recall"} == {f"{c[0]}_s0" for c in sweep.RECALL_CONFIGS}
+    text = {n for p, n in runs if p != "recall"}
+    for name, *_ in sweep.TEXT_CONFIGS:
+        assert {f"{name}_s{s}" for s in sweep.SEEDS} <= text
+    for w in sweep.WINDOWS:
+        assert {f"{sweep.window_run_name(w)}_s{s}" for s in sweep.SEEDS} <= text
+    assert len(runs) == len(set(runs))  # no run twice (local at the study's W is the window control's)
+    assert runs[0] == ("recall", "full_s0") and runs[1] == ("recall", "local_s0")
