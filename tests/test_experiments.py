@@ -68,20 +68,16 @@ def test_accuracy_buckets():
 
 @pytest.mark.parametrize("attn", ["dsa", "asga", "caa"])
 def test_paired_init_gives_every_variant_fulls_shared_parameters(attn):
-    """Without it (plain Model at the same seed) the shared weights differ: that is the bug
-    the wrapper exists for; with it they are equal, and the variant's own gates keep their
-    documented init."""
+    """With it, the shared weights equal `full`'s at the same seed (plain train.py shifts them
+    today: see paired.py's docstring), and the variant's own gates keep their documented init."""
     cfg = ModelConfig(**PRESETS["tiny"], vocab_size=64)
     torch.manual_seed(7)
     full = dict(Model(cfg).named_parameters())
-    torch.manual_seed(7)
-    plain = dict(Model(ModelConfig(**PRESETS["tiny"], vocab_size=64, attn=attn)).named_parameters())
     torch.manual_seed(7)
     model = paired.paired_model_class(7)(ModelConfig(**PRESETS["tiny"], vocab_size=64, attn=attn))
     mine = dict(model.named_parameters())
     shared = [n for n in full if n in mine]
     assert len(shared) == len(full)
-    assert any(not torch.equal(plain[n], full[n]) for n in shared)
     assert all(torch.equal(mine[n], full[n]) for n in shared)
     own = [n for n in mine if n not in full]
     assert own
