@@ -598,19 +598,20 @@ def scale_section(windows, rec):
     else:
         text = []
         if worse:
-            text.append(f"`local` is measurably worse than `full` (95% interval above 0) at W = "
-                        f"{', '.join(map(str, worse))} bytes")
+            text.append(f"`local` at W = {', '.join(map(str, worse))} is measurably worse than `full` "
+                        f"(95% interval above 0)")
         if same:
-            text.append(f"at W = {', '.join(map(str, same))} it cannot be told from `full`")
+            text.append(f"`local` at W = {', '.join(map(str, same))} cannot be told from `full`")
         if better:
-            text.append(f"at W = {', '.join(map(str, better))} it is measurably *better* than `full` "
+            text.append(f"`local` at W = {', '.join(map(str, better))} is measurably *better* than `full` "
                         f"(a window is a locality prior that speeds early learning)")
         missing = [w for w in WINDOWS if w not in measured]
-        L.append("; ".join(text) + (f" (W = {', '.join(map(str, missing))}: not run yet)" if missing else "") + ".")
-        largest_worse = max(worse) if worse else None
+        sentence = "; ".join(text) + (f" (W = {', '.join(map(str, missing))}: not run yet)" if missing else "") + "."
+        L.append(sentence[0].upper() + sentence[1:])
         L.append("")
-        L.append("So at this model size and budget the loss shows the use of context only up to "
-                 + (f"about {largest_worse} bytes" if largest_worse else "the smallest window measured")
+        L.append("So at this model size and budget the loss shows "
+                 + (f"the use of context up to about {max(worse)} bytes" if worse
+                    else f"no measurable use of context beyond {min(measured)} bytes")
                  + ": any difference between variants that depends on tokens further back than that "
                    "(which is what the papers' windows of 256 tokens are about) cannot show in the loss "
                    "here, whatever it would do at the papers' scale. The recall probe is the test of what "

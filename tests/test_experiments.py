@@ -153,7 +153,7 @@ def test_results_md_numbers_come_from_the_logs(tmp_path):
     # window control: W=16 resolved (+0.2, no spread), others pending
     w16 = [r for r in rows["16"] if len(r) == 5][0]
     assert w16[3].startswith("+0.2000") and w16[4] == "yes: worse than full"
-    assert "at W = 16 bytes" in md
+    assert "`local` at W = 16 is measurably worse than `full`" in md
     # an unfinished run is pending, as are the configurations without runs
     asga = rows["asga"][-1]
     assert "pending" in asga[3]
