@@ -446,7 +446,7 @@ def write_results(out, md_path, figures=False):
     L += window_section(windows, stats.get("full"), link)
     L += text_section(stats, link)
     L += paper_section(stats)
-    L += scale_section(windows, rec)
+    L += scale_section(windows, rec, out)
     md_path.write_text("\n".join(L) + "\n")
     if figures:
         import figures as figs
@@ -586,7 +586,7 @@ def paper_section(stats):
     return L + [""]
 
 
-def scale_section(windows, rec):
+def scale_section(windows, rec, out):
     """The plain sentences on what this scale resolves, from the numbers."""
     L = ["## What this scale can and cannot resolve", ""]
     measured = {w: s for w, s in windows.items() if s and s["hw"] is not None}
@@ -606,6 +606,10 @@ def scale_section(windows, rec):
             text.append(f"`local` at W = {', '.join(map(str, better))} is measurably *better* than `full` "
                         f"(a window is a locality prior that speeds early learning)")
         missing = [w for w in WINDOWS if w not in measured]
+        deltas = [d for s in measured.values() for d in s["deltas"]]
+        text.append(f"in {sum(d < 0 for d in deltas)} of {len(deltas)} paired comparisons `local` ends "
+                    f"below `full`, and its mean Δ goes from {measured[min(measured)]['delta']:+.4f} at "
+                    f"W = {min(measured)} to {measured[max(measured)]['delta']:+.4f} at W = {max(measured)}")
         sentence = "; ".join(text) + (f" (W = {', '.join(map(str, missing))}: not run yet)" if missing else "") + "."
         L.append(sentence[0].upper() + sentence[1:])
         L.append("")
@@ -616,6 +620,20 @@ def scale_section(windows, rec):
                    "(which is what the papers' windows of 256 tokens are about) cannot show in the loss "
                    "here, whatever it would do at the papers' scale. The recall probe is the test of what "
                    "a variant can reach; the loss table shows cost and gross failures.")
+    long_full, long_local = (Path(out, "calibration", n) for n in ("long_full_s0", "long_local_w4_s0"))
+    if recall.run_finished(long_full) and recall.run_finished(long_local):
+        f, l = read_log(long_full), read_log(long_local)
+        steps = f["evals"][-1][0]
+        at = lambda r, t: dict(r["evals"]).get(t)  # noqa: E731
+        marks = [t for t, _ in f["evals"] if t > 0 and at(l, t) is not None]
+        L += ["", f"A longer budget does not change this: with {steps} steps instead of "
+                  f"{TEXT['max_steps']} (seed 0; `experiments/results/calibration/`, run in a temporary "
+                  f"folder and its log copied there) `local` at W = 4 minus `full` was "
+                  + ", ".join(f"{at(l, t) - at(f, t):+.4f} at step {t}" for t in marks[1::2])
+                  + f" (final {l['final_val']:.4f} vs {f['final_val']:.4f}): `full` had not yet "
+                    f"overtaken a 4-byte window. Telling context lengths apart on text needs a "
+                    f"much larger budget than this CPU study has; the table of every configuration "
+                    f"measures cost and gross failures."]
     full = rec.get("full")
     if full:
         L += ["", f"Recall: `full` scores {full['overall']:.3f} overall (the probe is "
