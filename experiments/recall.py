@@ -38,9 +38,9 @@ Calibration (`full`, seed 0, lr 3e-3, 2 layers of d_model 128 with 2 heads of 64
 - the same with 1000 steps: `full` 0.925 / 0.922 / 0.905 / 0.911 by bucket (lag <= 8, 8-16,
   16-32, > 32), `local` (W=8) 0.469 / 0.059 / 0.057 / 0.065: at chance (0.0625) beyond its
   window, and 1000 steps leave `full` too close to 0.9, hence max_steps=1500 below.
-Step times at this size (s/step, OMP_NUM_THREADS=1, load 7-8 from other jobs):
-`python experiments/calibrate.py --part=recall --steps=10` gave full 1.03, dsa 0.88, asga
-1.39, caa 0.87.
+Step times at this size (s/step, one thread; `python experiments/calibrate.py --part=recall
+--steps=15 --attn=full,local,dsa,asga,caa`): full 0.20, local 0.16, dsa 0.24, asga 0.16, caa
+0.15 with the machine nearly quiet (load 2.8); 0.9-1.4 under load 7-8 from other jobs.
 """
 import argparse
 import json

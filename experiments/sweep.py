@@ -27,14 +27,12 @@ sweep can be finished over several sittings; commit the logs (not ckpt.pt) as yo
 Figures go to assets/study_*.png.
 
 Budget: 15 recall runs of 1500 steps, 24 window runs and 33 more text runs of 500 steps
-(11 more configurations x 3 seeds). `--plan` adds up STEP_SECONDS, measured with one thread
-while four other jobs loaded the 2 cores (load 7-14): 13.2 h for everything this checkout can
-run (15.6 h with `combiner` and `asga_prob` once they exist: recall 6.6, window 1.8, text
-7.1), an upper bound; a one-thread job at load 8 gets about a quarter of a core, so on a quiet
-2-core machine the whole sweep should take about a quarter of that, 3-4 h. asga's pair MLP
-over every (query, key) pair is the largest single cost (asga, asga_noscale, asga_prob: 2.6
-s/step against full's 0.54, 3.3 of the 7.1 text hours). Two sweeps can share the work when
-given disjoint --configs (never the same run twice at once).
+(11 more configurations x 3 seeds). `--plan` adds up STEP_SECONDS (one thread, measured while
+the shared machine was nearly quiet): 3.4 h of one core for everything this checkout can run,
+4.0 h with `combiner` and `asga_prob` counted at `full`'s and asga's step time (recall 1.2 h,
+window 0.4 h, text 2.4 h, of which asga's pair MLP over every (query, key) pair is 1.9 h,
+counting asga_fixed and asga_off, which skip that MLP, at asga's cost: an overestimate). Two
+sweeps given disjoint --configs (never the same run twice at once) use both cores: about 2 h.
 """
 import argparse
 import json
@@ -94,19 +92,16 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
             seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
             max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
 
-# Seconds per optimizer step, measured with OMP_NUM_THREADS=1 while 4 other jobs shared the
-# 2 cores (load average 7-14), so they are upper bounds: `python experiments/calibrate.py
-# --steps=12 --part=text` (at 2048 bytes per step; halved here for the 1024 of TEXT) and
-# `--part=recall --steps=10`; text full/local and recall full/local are the medians of the
-# committed runs' logs. Unmeasured variants (flags not in this checkout) count as `full`.
+# Seconds per optimizer step with OMP_NUM_THREADS=1, measured at 06:15 UTC while the shared
+# machine was nearly quiet (load average 1.8-2.8): `python experiments/calibrate.py --steps=15
+# --part=text` and `--part=recall --attn=full,local,dsa,asga,caa`. Variants without a number
+# (flags not in this checkout) count as `full`. Under load 7-14 (four other jobs) the same
+# steps took 3-6x longer (text at 2048 bytes/step: full 1.44, local 1.54, dsa 1.31, asga 5.22,
+# caa 1.78 s; recall: full 1.03, dsa 0.88, asga 1.39, caa 0.87 s).
 STEP_SECONDS = {
-    "text": {"full": 0.54, "local": 0.53, "dsa": 0.66, "asga": 2.61, "caa": 0.89},
-    "recall": {"full": 1.03, "local": 0.8, "dsa": 0.88, "asga": 1.39, "caa": 0.87},
+    "text": {"full": 0.151, "local": 0.130, "dsa": 0.169, "asga": 0.928, "caa": 0.197},
+    "recall": {"full": 0.204, "local": 0.158, "dsa": 0.242, "asga": 0.162, "caa": 0.154},
 }
-# On a quiet machine (2 threads, no other jobs) steps are several times faster: the first
-# calibration run, at load 0.3 with 2 threads, trained 4096 tokens of length 256 per step in
-# 0.23 s, more work than a recall step here, which takes 0.8-1.0 s at load 8.
-
 
 def ngram_baselines(data_dir, val_tokens):
     """Cross-entropy (nats per byte) on the validation bytes the runs are scored on of the
@@ -276,7 +271,8 @@ def sweep(args):
             print(f"[{i + 1}/{len(todo)}] {label}: pending ({why})", flush=True)
             continue
         if part != "recall":
-            text_data.make(args.text_source, args.text_val_source, args.data_dir) if args.text_source else None
+            if args.text_source:
+                text_data.make(args.text_source, args.text_val_source, args.data_dir)
             if not Path(args.data_dir, text_data.MARKER).exists():
                 sys.exit(f"no byte shards in {args.data_dir}: pass --text_source=TRAIN.jsonl "
                          f"--text_val_source=VAL.jsonl (data.py's --source forms) to make them")
@@ -306,8 +302,8 @@ def plan(args):
         if state == "to run" and est:
             total += est
         print(f"{label:32s} {state:12s} {'' if est is None else f'~{est / 60:.1f} min'}")
-    print(f"estimated time left: {total / 3600:.2f} h at the step times measured on the loaded "
-          f"shared machine (an upper bound; see STEP_SECONDS)")
+    print(f"estimated time left: {total / 3600:.2f} h at STEP_SECONDS (one thread, a nearly quiet "
+          f"machine; evaluations add ~5%)")
 
 
 # ----------------------------------------------------------------------------- reading logs

@@ -2,11 +2,12 @@
 
     python experiments/text_data.py --source=train.jsonl --val_source=val.jsonl --out_dir=experiments/data/text
 
-Until data.py has `--tokenizer=byte`, this writes them itself with data.py's shard writer
-(data.ShardWriter, data.write_shard: the llm.c layout, uint16 tokens). Once data.py has the
-flag (`python data.py --help` lists `--tokenizer`), `make()` calls data.py instead, so the
-switch needs no change here. This project's choice until then: each document starts with
-byte 0 (NUL, which UTF-8 text does not contain) as its end-of-text marker.
+This writes them itself with data.py's shard writer (data.ShardWriter, data.write_shard: the
+llm.c layout, uint16 tokens), because data.py has no `--tokenizer=byte` yet; this project's
+choice here: each document starts with byte 0 (NUL, which UTF-8 text does not contain) as its
+end-of-text marker. To switch to data.py once it has the flag, set WRITER = "data.py" (make()
+then runs `data.py --tokenizer=byte`) - and re-run every text run, since the shards (document
+marker, val split) may differ: runs made from two shard sets must not share a table.
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from data import ShardWriter, iter_local_documents  # noqa: E402
 
 SHARD_TOKENS = 10_000_000
+WRITER = "experiments"  # "experiments": write_byte_shards below | "data.py": data.py --tokenizer=byte
 MARKER = "text_shards.json"
 
 
@@ -63,10 +65,12 @@ def make(source, val_source, out_dir, val_tokens=262_144, max_tokens=12_000_000)
     """The byte shards in out_dir, made once (a marker records how)."""
     marker = Path(out_dir) / MARKER
     want = {"tokenizer": "byte", "source": Path(source).name, "val_source": Path(val_source).name,
-            "val_tokens": val_tokens, "max_tokens": max_tokens}
+            "val_tokens": val_tokens, "max_tokens": max_tokens, "writer": WRITER}
     if marker.exists() and json.loads(marker.read_text()).get("request") == want:
         return
-    if data_py_has_byte_tokenizer():
+    if WRITER == "data.py":
+        if not data_py_has_byte_tokenizer():
+            sys.exit("text_data.WRITER is 'data.py' but `python data.py --help` lists no --tokenizer")
         subprocess.run([sys.executable, str(ROOT / "data.py"), "--tokenizer=byte", f"--source={source}",
                         f"--val_source={val_source}", f"--out_dir={out_dir}", f"--val_tokens={val_tokens}",
                         f"--max_tokens={max_tokens + val_tokens}"], check=True, cwd=ROOT)
