@@ -156,7 +156,7 @@ def accuracy_by_bucket(correct, lag, window, n_layer):
 def accuracy_by_lag(correct, lag, width=4):
     """[(lo, hi, n, acc)] over lag bins lo < lag <= hi of `width` (for the figure)."""
     rows = []
-    for lo in range(-1, int(lag.max()), width):
+    for lo in range(0, int(lag.max()), width):  # lag >= 1: bins (0, 4], (4, 8], ... line up with W
         sel = (lag > lo) & (lag <= lo + width)
         if sel.any():
             rows.append((lo, lo + width, int(sel.sum()), float(correct[sel].mean())))

@@ -59,7 +59,7 @@ def test_recall_shards_are_the_task_sequences(tmp_path, monkeypatch):
 
 def test_accuracy_buckets():
     correct = np.array([1, 0, 1, 1, 0, 0, 1], dtype=bool)
-    lag = np.array([0, 8, 9, 16, 17, 32, 33])
+    lag = np.array([1, 8, 9, 16, 17, 32, 33])
     b = recall.accuracy_by_bucket(correct, lag, window=8, n_layer=2)
     assert [(v["n"], v["acc"]) for v in b.values()] == [(2, 0.5), (2, 1.0), (2, 0.0), (1, 1.0)]
     rows = recall.accuracy_by_lag(correct, lag, width=8)
