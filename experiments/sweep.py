@@ -508,7 +508,8 @@ def recall_section(rec, out, md_path, link):
         L.append(f"| {name} | {r['overall']:.3f} | " + " | ".join(cells) + f" | {r['step']} |")
     if rec:
         L += ["", f"![recall accuracy by lag]({link(ROOT / 'assets' / 'study_recall.png')})", "",
-              "Commands:", ""] + [f"- **{n}**: `{r['command']}`" for n, r in rec.items()]
+              "Commands (the shards in experiments/data/recall are made by `recall.make_data`, which "
+              "`python experiments/recall.py` and the sweep call first):", ""] + [f"- **{n}**: `{r['command']}`" for n, r in rec.items()]
     return L + [""]
 
 
@@ -533,7 +534,9 @@ def text_section(stats, link):
     L = ["## Every configuration: paired difference from `full`", "",
          "Final validation loss (nats per byte); Δ per seed and mean ± 95% half-width; tok/s "
          "(median per-step throughput, step 1 left out) and peak memory (train.py's mem_gb: CPU "
-         "peak RSS) relative to `full`, seed means.", "",
+         "peak RSS) relative to `full`, seed means. The runs ran at different times on a shared "
+         "machine, so tok/s is a rough cost, not a speed comparison (kernels.py's benchmark is "
+         "that).", "",
          "| config | flags | seeds | val loss | Δ per seed | Δ vs full | tok/s vs full | peak mem vs full |",
          "|---|---|---|---|---|---|---|---|"]
     for name, attn, flags in TEXT_CONFIGS:
