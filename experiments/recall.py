@@ -1,31 +1,46 @@
-"""Long-range recall probe: what a window throws away, measured by distance.
+"""Associative recall by distance: what a window throws away, and whether a variant can use
+a token beyond it (the recall probe of the study; experiments/sweep.py runs it for every
+configuration in sweep.RECALL_CONFIGS).
 
     python experiments/recall.py --attn=local --seed=0 --out_dir=experiments/results/recall/local_s0
 
-Makes the synthetic recall shards once (`data.py --source=recall`, see
-`data.recall_sequences`: streams of `key value` pairs, a fresh random key -> value map per
-sequence, keys recurring at many distances), trains a model on them through train.py (skipped
-when the run already finished), then scores it on held-out sequences that it regenerates from
-their own seed: accuracy = argmax of the logits at a query position equals the value paired
-with that key earlier in the sequence. Queries are bucketed by distance relative to the window
-W and the stacked receptive field of a windowed model, n_layer x W:
-    d <= W            every variant can see the answer (at distance d - 1) in one hop
-    W < d <= L*W      beyond one window, inside the stacked receptive field
-    d > L*W           beyond anything `local` can reach; chance is 1 / n_values
-Writes OUT_DIR/recall.json (accuracy and count per bucket, chance, the command).
+The task is multi-query associative recall (MQAR, from the Zoology study of efficient
+attention: Arora et al. 2023, "Zoology: Measuring and Improving Recall in Efficient Language
+Models"): each sequence draws a fresh random map key -> value and is a stream of `key value`
+pairs with keys drawn at random, so a key recurs at many distances; where a key recurs, the
+model must predict its value, seen after the key's previous occurrence (data.recall_sequences
+makes the stream; dense supervision at every recurring key, as in Zoology's MQAR).
 
-Scaled-down geometry so that it is cheap on a CPU: sequences of 256, window 32 (dsa's
-adaptive threshold 64, caa's widest window 64), the tiny 2-layer model with an untied LM head
-(with the tied head the tiny model stalled at the unigram loss on this vocabulary).
+The paper's form (`form=zoology`: the value is a token of its own, which does not say which
+key it belongs to) needs a two-layer induction circuit: one layer copies the key into the
+value's position, the next matches the query against it. This project's choice, measured
+below: `form=onehop` (the default) writes each value as the token (key, value), so one
+attention hop retrieves it - a query matches any earlier token of its own key and copies
+the value - and the only thing between a variant and the answer is whether the query can
+attend to it. The answer stays unpredictable without the earlier occurrence: given the key,
+its value is uniform over n_values, so chance is 1 / n_values.
 
-Tuning, measured on this CPU (full attention; chance 1/16): 32 keys / 64 values stayed at the
-bigram loss for 350 steps of 32 x 256 tokens; 16 keys / 16 values learns, slowly: 17%
-accuracy (18.5% at d <= 32, 11% at d > 64) after 500 steps of 8 x 256 tokens at lr 3e-3;
-lr 1e-2 learned more slowly. With the settings below but 600 steps (8 x 256, seed 0, 512
-held-out sequences) `full` scored 0.174 / 0.141 / 0.108 in the three buckets and `local`
-0.193 / 0.109 / 0.071 (chance 0.0625). No sharp induction transition happened within these
-budgets, so the probe measures early, partial retrieval: compare variants, not absolute
-numbers.
+Distance. lag = query position minus the position of the nearest earlier (key, value) token
+of the queried key. A query at i attends to j when 0 <= i - j <= W, so `local` sees the
+answer in one hop iff lag <= W; L stacked layers could in principle relay it up to L x W.
+Buckets: lag <= W | W < lag <= L*W | L*W < lag <= 4W | lag > 4W (beyond `local`'s receptive
+field both; there `local` should be at chance).
+
+Calibration (`full`, seed 0, lr 3e-3, 2 layers of d_model 128 with 2 heads of 64: head_dim
+64 loosens the QK-norm bound on a logit, about sqrt(head_dim) x the norm gains, to 8; 16 keys,
+16 values; commands: train.py with these TRAIN values on shards of each form):
+- form=zoology, 256 tokens, batch 16 x 256, 600 steps (2.8 min at load 0.3, 2 threads): val
+  loss 2.59, flat since step 350 - "one of the values in context", no retrieval.
+- form=zoology, 64 tokens, batch 32 x 64, 444 steps: val 2.73, flat (stopped).
+- form=onehop, 64 tokens, batch 32 x 64: val 2.19 at step 500, 2.11 at 1000, 1.995 at 1500
+  (the loss of perfect recall is 1.992: keys and first occurrences of a key are
+  unpredictable, ln 16 each); accuracy 1.000 in every lag bucket on 512 held-out sequences.
+- the same with 1000 steps: `full` 0.925 / 0.922 / 0.905 / 0.911 by bucket (lag <= 8, 8-16,
+  16-32, > 32), `local` (W=8) 0.469 / 0.059 / 0.057 / 0.065: at chance (0.0625) beyond its
+  window, and 1000 steps leave `full` too close to 0.9, hence max_steps=1500 below.
+Step times at this size (s/step, one thread; `python experiments/calibrate.py --part=recall
+--steps=15 --attn=full,local,dsa,asga,caa`): full 0.20, local 0.16, dsa 0.24, asga 0.16, caa
+0.15 with the machine nearly quiet (load 2.8); 0.9-1.4 under load 7-8 from other jobs.
 """
 import argparse
 import json
@@ -40,34 +55,64 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from data import recall_sequences  # noqa: E402
+from data import recall_sequences, write_shard  # noqa: E402
 
-TASK = dict(seq_len=256, n_keys=16, n_values=16, seed=0)
+# Window W = 8 with 2 layers: receptive field 16; at 16 keys a key's previous occurrence is
+# further than 16 positions for (15/16)^8 = 60% of the queries, further than 32 for 36%.
+TASK = dict(form="onehop", seq_len=64, n_keys=16, n_values=16, seed=0)
 DATA_TOKENS = 4_000_000  # train + val tokens in the recall shards
-EVAL_SEED, EVAL_SEQS = 10_000, 256  # held-out sequences: a seed no shard uses
-# train.py overrides of every recall run (the sweep may change max_steps).
-TRAIN = dict(model="tiny", vocab_size=256, tie_embeddings=False, window=32, dsa_threshold=64,
-             caa_window_max=64, seq_len=TASK["seq_len"], batch_size=8, total_batch_tokens=2048,
-             lr=3e-3, warmup_steps=30, max_steps=500, eval_every=100, val_tokens=4096,
-             ckpt_every=100000)
+VAL_TOKENS = 131_072
+EVAL_SEED, EVAL_SEQS = 10_000, 512  # held-out sequences: a seed no shard uses
+# train.py overrides of every recall run. Geometry scaled from the papers' (W=256, dsa's
+# adaptive threshold 512 = 2W, caa's width 256..512 = W..2W) to W = 8: threshold 16 (so
+# dsa_window=adaptive windows the 48 of 64 positions >= 16: 75%), caa width 8..16.
+TRAIN = dict(model="tiny", vocab_size=TASK["n_keys"] * (1 + TASK["n_values"]), tie_embeddings=False,
+             n_layer=2, d_model=128, n_head=2, n_kv_head=2, head_dim=64, mlp_hidden=256,
+             window=8, dsa_threshold=16, caa_window_max=16,
+             seq_len=TASK["seq_len"], batch_size=32, total_batch_tokens=2048,
+             lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=250, val_tokens=8192,
+             ckpt_every=500)  # resumable: a cut run continues from its last 500 steps
+
+
+def mqar_sequences(n_seq, seq_len, n_keys, n_values, seed, form="onehop"):
+    """(tokens int64 (N, T), queries) as data.recall_sequences, plus queries['lag'] (query
+    position minus the position of the answer's earlier token). form='onehop' rewrites each
+    value token v (ids n_keys..n_keys+n_values-1) as n_keys + key * n_values + (v - n_keys),
+    and the answers with it; form='zoology' leaves the stream as it is."""
+    tokens, q = recall_sequences(n_seq, seq_len, n_keys, n_values, seed)
+    tokens = tokens.astype(np.int64)  # (N, T): keys at even positions, values at odd
+    q = {k: v.copy() for k, v in q.items()}
+    if form == "onehop":
+        keys = tokens[:, 0::2]  # (N, T/2)
+        tokens[:, 1::2] = n_keys + keys * n_values + (tokens[:, 1::2] - n_keys)
+        q["answer"] = tokens[q["seq"], q["pos"] + 1]
+    elif form != "zoology":
+        raise ValueError(f"unknown recall form {form!r}; valid: onehop, zoology")
+    q["lag"] = q["distance"] - 1  # the answer sits right after the key's previous occurrence
+    return tokens, q
 
 
 def make_data(data_dir):
-    """The recall shards, made once (a marker file records the task they were made for)."""
+    """The recall shards, made once: a val shard (seed + 1) and a train shard (seed), whole
+    sequences back to back (a marker file records the task they were made for)."""
     marker = Path(data_dir) / "recall_task.json"
     if marker.exists() and json.loads(marker.read_text()) == TASK:
         return
-    task = ",".join(str(TASK[k]) for k in ("seq_len", "n_keys", "n_values", "seed"))
-    subprocess.run([sys.executable, str(ROOT / "data.py"), "--source=recall", f"--out_dir={data_dir}",
-                    f"--max_tokens={DATA_TOKENS}", f"--recall={task}"], check=True)
+    os.makedirs(data_dir, exist_ok=True)
+    args = (TASK["seq_len"], TASK["n_keys"], TASK["n_values"])
+    for split, n_tok, seed in (("val", VAL_TOKENS, TASK["seed"] + 1), ("train", DATA_TOKENS - VAL_TOKENS, TASK["seed"])):
+        tokens, _ = mqar_sequences(n_tok // TASK["seq_len"], *args, seed, TASK["form"])
+        write_shard(Path(data_dir) / f"recall_{split}_{0 if split == 'val' else 1:06d}.bin",
+                    tokens.reshape(-1).astype(np.uint16))
     marker.write_text(json.dumps(TASK))
 
 
 def train_command(attn, seed, data_dir, out_dir, flags=None, **overrides):
-    """The train.py command line of one recall run (a list, for subprocess)."""
+    """The command line of one recall run (a list, for subprocess): train.py's flags, run
+    through experiments/paired.py (shared parameters start as `full`'s at this seed)."""
     args = {**TRAIN, **overrides, "attn": attn, **(flags or {}), "seed": seed,
             "data_dir": _rel(data_dir), "out_dir": _rel(out_dir)}
-    return [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
+    return [sys.executable, "experiments/paired.py"] + [f"--{k}={v}" for k, v in args.items()]
 
 
 def _rel(path):
@@ -91,25 +136,35 @@ def run_finished(out_dir):
 
 
 def bucket_edges(window, n_layer):
-    """[(label, lo, hi)]: distances lo < d <= hi."""
+    """[(label, lo, hi)]: lags lo < lag <= hi."""
     reach = n_layer * window
-    return [(f"d <= {window}", 0, window), (f"{window} < d <= {reach}", window, reach),
-            (f"d > {reach}", reach, float("inf"))]
+    return [(f"lag <= {window}", -1, window), (f"{window} < lag <= {reach}", window, reach),
+            (f"{reach} < lag <= {4 * window}", reach, 4 * window), (f"lag > {4 * window}", 4 * window, float("inf"))]
 
 
-def accuracy_by_bucket(correct, distance, window, n_layer):
-    """{label: {'acc', 'n', 'lo', 'hi'}} from per-query correctness (bool) and distance."""
+def accuracy_by_bucket(correct, lag, window, n_layer):
+    """{label: {'acc', 'n', 'lo', 'hi'}} from per-query correctness (bool) and lag."""
     out = {}
     for label, lo, hi in bucket_edges(window, n_layer):
-        sel = (distance > lo) & (distance <= hi)
+        sel = (lag > lo) & (lag <= hi)
         n = int(sel.sum())
         out[label] = {"acc": float(correct[sel].mean()) if n else None, "n": n, "lo": lo,
                       "hi": None if hi == float("inf") else hi}
     return out
 
 
+def accuracy_by_lag(correct, lag, width=4):
+    """[(lo, hi, n, acc)] over lag bins lo < lag <= hi of `width` (for the figure)."""
+    rows = []
+    for lo in range(0, int(lag.max()), width):  # lag >= 1: bins (0, 4], (4, 8], ... line up with W
+        sel = (lag > lo) & (lag <= lo + width)
+        if sel.any():
+            rows.append((lo, lo + width, int(sel.sum()), float(correct[sel].mean())))
+    return rows
+
+
 @torch.no_grad()
-def evaluate(run_dir, n_seq=EVAL_SEQS, seed=EVAL_SEED, batch=64):
+def evaluate(run_dir, n_seq=EVAL_SEQS, seed=EVAL_SEED, batch=128):
     """Recall accuracy of the checkpoint in run_dir on n_seq fresh sequences."""
     from model import load_checkpoint
 
@@ -118,18 +173,19 @@ def evaluate(run_dir, n_seq=EVAL_SEQS, seed=EVAL_SEED, batch=64):
     # Train mode under no_grad: the model has no dropout, so the outputs are the same, and
     # caa's fused forward in eval mode measured 3x slower (22.7 s vs 7.4 s on 64 x 256 tokens).
     model.train()
-    tokens, q = recall_sequences(n_seq, TASK["seq_len"], TASK["n_keys"], TASK["n_values"], seed)
-    x = torch.from_numpy(tokens.astype(np.int64))  # (N, T)
+    tokens, q = mqar_sequences(n_seq, TASK["seq_len"], TASK["n_keys"], TASK["n_values"], seed, TASK["form"])
+    x = torch.from_numpy(tokens)  # (N, T)
     pred = torch.cat([model(x[i: i + batch])[0].argmax(-1) for i in range(0, n_seq, batch)])  # (N, T)
     correct = pred.numpy()[q["seq"], q["pos"]] == q["answer"]
     return {"attn": cfg.attn, "seed": ckpt["train_config"]["seed"], "step": ckpt["step"],
             "window": cfg.window, "n_layer": cfg.n_layer, "chance": 1 / TASK["n_values"],
             "overall": float(correct.mean()), "n_queries": int(len(correct)),
-            "buckets": accuracy_by_bucket(correct, q["distance"], cfg.window, cfg.n_layer),
+            "buckets": accuracy_by_bucket(correct, q["lag"], cfg.window, cfg.n_layer),
+            "by_lag": accuracy_by_lag(correct, q["lag"]),
             "task": TASK, "eval_seed": seed, "eval_seqs": n_seq}
 
 
-def run(attn, seed, out_dir, data_dir, flags=None, **overrides):
+def run(attn, seed, out_dir, data_dir, flags=None, name=None, **overrides):
     """Make data, train (unless finished), evaluate; writes and returns out_dir/recall.json."""
     make_data(data_dir)
     cmd = train_command(attn, seed, data_dir, out_dir, flags, **overrides)
@@ -139,12 +195,15 @@ def run(attn, seed, out_dir, data_dir, flags=None, **overrides):
     if not run_finished(out_dir):
         if (Path(out_dir) / "ckpt.pt").exists():
             cmd.append("--resume=True")
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(Path(out_dir, "stdout.txt"), "a") as f:
+            subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     result = evaluate(out_dir)
-    result["command"] = " ".join(["python", "train.py"] + [a for a in cmd[2:] if a != "--resume=True"])
+    result["name"] = name or attn
+    result["command"] = " ".join(["python"] + [a for a in cmd[1:] if a != "--resume=True"])
     Path(out_dir, "recall.json").write_text(json.dumps(result, indent=1))
     line = " | ".join(f"{k}: {v['acc']:.3f} (n={v['n']})" for k, v in result["buckets"].items() if v["n"])
-    print(f"recall {attn} seed {seed}: {line} | chance {result['chance']:.3f}")
+    print(f"recall {result['name']} seed {seed}: {line} | chance {result['chance']:.3f}")
     return result
 
 

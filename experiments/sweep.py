@@ -1,27 +1,42 @@
-"""The papers' tables at small scale: every variant and ablation, 2 seeds, then the recall
-probe, analyze.py and RESULTS.md. One command (here, on the 2-core CPU: ~45-65 min, estimated
-from single runs measured while other jobs shared the 2 cores (load ~4): an LM run of 60 steps
-took 69 s for full and 275 s for asga, a 600-step recall run 59 s for full and 94 s for local):
+"""The study: the papers' configurations at a scale that can tell them apart where a
+difference is known to exist, run by run, resumable, and RESULTS.md written from the logs.
 
-    python experiments/sweep.py
-    python experiments/sweep.py --data_dir=data/fineweb10B --model=small --tokens=50_000_000  # a GPU node
-    python experiments/sweep.py --results_only          # rewrite RESULTS.md from the logs
+    python experiments/sweep.py --text_source=TRAIN.jsonl --text_val_source=VAL.jsonl
+    python experiments/sweep.py --plan            # the runs, which are done, the time left
+    python experiments/sweep.py --only=recall     # one part: recall | window | text
+    python experiments/sweep.py --results_only    # rewrite RESULTS.md (and figures) from the logs
 
-Everything goes under --out_dir (default experiments/results): lm/NAME_sSEED/ and
-recall/ATTN_sSEED/ are train.py run folders (config.json, log.jsonl, command.txt, ckpt.pt;
-recall runs add recall.json), analysis/ is analyze.py's output over the LM runs. A run whose
-log ends with train.py's `end` record is skipped and one with a checkpoint is resumed, so an
-interrupted sweep continues where it stopped. RESULTS.md reads every number from those files.
+Three parts, each a list of train.py runs (through experiments/paired.py, so that at one seed
+every variant starts from `full`'s values of the parameters they share, and data.py's loader
+gives every variant the same batches):
 
-Choices (CPU defaults; all are flags): the `tiny` model (2 layers, d_model 64, 4 heads of 16,
-GPT-2 vocabulary, so most of its 3.3M parameters are the tied embedding), sequences of 1024
-so that windows of 256 bind (dsa's adaptive rule windows only from position 512), global
-batch 2 x 1024 tokens, lr 3e-3 with 10 warm-up steps and cosine decay to 0.1x, --tokens per
-run (default 102,400 = 50 steps), validation on the first 8,192 val tokens every 10 steps.
-The kernel: --kernel=fused when kernels.py is committed (`git ls-files kernels.py`), else ref.
+1. recall (experiments/recall.py): multi-query associative recall, scored by distance, for
+   every configuration in RECALL_CONFIGS (seed 0). The positive control is `full` (it must
+   reach >= 0.9) and `local` (it must sit at chance beyond its receptive field).
+2. window: the positive control on text. `local` with W in WINDOWS and `full`, paired seeds:
+   how much context the small model uses, so which differences this scale can resolve.
+3. text: every configuration in TEXT_CONFIGS (the papers' tables, both dsa configurations,
+   the new flags), paired seeds; each reported as its paired difference from `full`.
+
+Text runs read byte-level shards (experiments/text_data.py; vocabulary 256, so no 50k head)
+made from --text_source / --text_val_source on first use. Run folders under --out_dir
+(experiments/results): recall/NAME_sSEED, text/NAME_sSEED (window runs are text/local_wW_sSEED),
+each train.py's (config.json, log.jsonl, command.txt; recall adds recall.json). A run whose
+log ends with train.py's `end` record is skipped, one with a checkpoint is resumed, so the
+sweep can be finished over several sittings; commit the logs (not ckpt.pt) as you go.
+Figures go to assets/study_*.png.
+
+Budget: 15 recall runs of 1500 steps, 24 window runs and 33 more text runs of 500 steps
+(11 more configurations x 3 seeds). `--plan` adds up STEP_SECONDS (one thread, measured while
+the shared machine was nearly quiet): 3.4 h of one core for everything this checkout can run,
+4.0 h with `combiner` and `asga_prob` counted at `full`'s and asga's step time (recall 1.2 h,
+window 0.4 h, text 2.4 h, of which asga's pair MLP over every (query, key) pair is 1.9 h,
+counting asga_fixed and asga_off, which skip that MLP, at asga's cost: an overestimate). Two
+sweeps given disjoint --configs (never the same run twice at once) use both cores: about 2 h.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -34,26 +49,132 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import recall  # noqa: E402
+import text_data  # noqa: E402
 
-CORPUS = ROOT.parent / "shared" / "corpus"
-PAPER_BASELINE = 4.9266  # full attention, 134M Qwen on FineWeb (seeds 000 / 002 / 004)
-# (name, attn, model flags, [(seed paper, its validation loss)], note): the 11 configurations.
-CONFIGS = [
-    ("full", "full", {}, [], "baseline"),
-    ("local", "local", {}, [("004", 5.021)], ""),
-    ("dsa", "dsa", {}, [("000", 4.6498), ("002", 4.904)], ""),
-    ("dsa_nogate", "dsa", {"dsa_gate": False}, [("002", 4.918)], "no gating"),
-    ("dsa_fixedwin", "dsa", {"dsa_window": "fixed"}, [("002", 4.927)], "fixed window"),
-    ("dsa_nowin", "dsa", {"dsa_window": "none"}, [("002", 5.012)], "no window"),
-    ("asga", "asga", {}, [("003", 5.148)], ""),
-    ("asga_noscale", "asga", {"asga_scale": False}, [("003", 5.201)], "no geometric scaling"),
-    ("asga_fixed", "asga", {"asga_gate": "fixed"}, [("003", 5.087)], "fixed sparsity"),
-    ("asga_off", "asga", {"asga_gate": "off", "asga_scale": False}, [("003", 4.930)], "both off"),
-    ("caa", "caa", {}, [("004", 4.712)], "paper: 2.1x memory, 0.82x throughput"),
+SEEDS = (0, 1, 2)
+
+# ----------------------------------------------------------------------------- configurations
+# (name, attn, flags). Edit here when a flag's name changes; a configuration whose attn or
+# flag this checkout does not have is listed as pending (see `unavailable`), never guessed.
+# Flag names not in this checkout when this list was written: attn='combiner' (004's
+# "Sparse [Combiner]" baseline) and asga_gate='prob' (the probability-space gate,
+# softmax(alpha + log s): this project's variant of 003's eq. 3).
+TEXT_CONFIGS = [
+    ("full", "full", {}),
+    ("local", "local", {}),
+    ("dsa", "dsa", {"dsa_window": "adaptive"}),
+    ("dsa_fixed", "dsa", {"dsa_window": "fixed"}),
+    ("dsa_nogate", "dsa", {"dsa_window": "adaptive", "dsa_gate": False}),
+    ("dsa_nowin", "dsa", {"dsa_window": "none"}),
+    ("asga", "asga", {}),
+    ("asga_noscale", "asga", {"asga_scale": False}),
+    ("asga_fixed", "asga", {"asga_gate": "fixed"}),
+    ("asga_off", "asga", {"asga_gate": "off", "asga_scale": False}),
+    ("asga_prob", "asga", {"asga_gate": "prob"}),
+    ("caa", "caa", {}),
+    ("combiner", "combiner", {}),
 ]
-RECALL_VARIANTS = ["full", "local", "dsa", "asga", "caa"]
-# Half the range over seeds: with 2 seeds it is |a - b| / 2, the population std.
-SPREAD_RULE = "half the range over seeds ((max - min) / 2; with 2 seeds the population std)"
+# Recall adds caa with each branch forced (what each branch alone can reach).
+RECALL_CONFIGS = TEXT_CONFIGS + [
+    ("caa_local", "caa", {"caa_gate": "local"}),
+    ("caa_global", "caa", {"caa_gate": "global"}),
+]
+# The issue's windows 16..256, plus 4 and 8: at this budget a 16-byte window already
+# matches `full` (seed 0: 2.294 vs 2.316), so the smaller ones find where a difference appears.
+WINDOWS = (4, 8, 16, 32, 64, 128, 256)
+
+# Text runs: bytes, sequences of 512, W = 64 for every windowed variant (the papers' geometry
+# W=256 / dsa threshold 512 = 2W / caa width 256..512 = W..2W, scaled by 1/4: one byte is
+# about a quarter of a GPT-2 token). dsa_window=adaptive then windows the positions >= 128:
+# 384 of 512 (75%; at the papers' seq_len 1024 it is 50%, at 002's 32768 98.4%).
+TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=4, head_dim=32,
+            mlp_hidden=384, window=64, dsa_threshold=128, caa_window_max=128,
+            seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
+            max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
+
+# Seconds per optimizer step with OMP_NUM_THREADS=1, measured at 06:15 UTC while the shared
+# machine was nearly quiet (load average 1.8-2.8): `python experiments/calibrate.py --steps=15
+# --part=text` and `--part=recall --attn=full,local,dsa,asga,caa`. Variants without a number
+# (flags not in this checkout) count as `full`. Under load 7-14 (four other jobs) the same
+# steps took 3-6x longer (text at 2048 bytes/step: full 1.44, local 1.54, dsa 1.31, asga 5.22,
+# caa 1.78 s; recall: full 1.03, dsa 0.88, asga 1.39, caa 0.87 s).
+STEP_SECONDS = {
+    "text": {"full": 0.151, "local": 0.130, "dsa": 0.169, "asga": 0.928, "caa": 0.197},
+    "recall": {"full": 0.204, "local": 0.158, "dsa": 0.242, "asga": 0.162, "caa": 0.154},
+}
+
+def ngram_baselines(data_dir, val_tokens):
+    """Cross-entropy (nats per byte) on the validation bytes the runs are scored on of the
+    train split's unigram and bigram statistics (bigram counts + 0.01): the losses a model
+    must get below to be using more than one previous byte."""
+    import numpy as np
+    from data import find_shards, load_shard
+
+    train = np.concatenate([np.asarray(load_shard(p)) for p in find_shards(data_dir, "train")]).astype(np.int64)
+    val = np.asarray(load_shard(find_shards(data_dir, "val")[0]))[:val_tokens].astype(np.int64)
+    uni = np.bincount(train, minlength=256) + 1.0
+    bi = np.full((256, 256), 0.01)
+    np.add.at(bi, (train[:-1], train[1:]), 1)
+    return {"unigram": float(-np.log(uni[val] / uni.sum()).mean()),
+            "bigram": float(-np.log((bi / bi.sum(1, keepdims=True))[val[:-1], val[1:]]).mean()),
+            "val_bytes": int(len(val))}
+
+
+def windowed_share(seq_len, threshold):
+    """Share of query positions that dsa_window=adaptive windows (positions >= threshold)."""
+    return max(0, seq_len - threshold) / seq_len
+
+
+# ----------------------------------------------------------------------------- the papers
+# Every number of the papers' tables, checked against the paper texts: (paper, the paper's
+# row, validation loss, its ± if given, memory, speed as the paper gives it, our config).
+PAPERS = {
+    "000": "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis (000; 001 is a plain-text rendering of it)",
+    "002": "Dynamic Sparse Attention for Efficient Language Modeling (002)",
+    "003": "Adaptive Sparse-Geometric Attention: A Comprehensive Empirical Analysis, ASGA (003)",
+    "004": "Context-Adaptive Attention: A Balanced Approach for Efficient Language Modeling, CAA (004)",
+}
+PAPER_BASELINES = {"000": 4.9266, "002": 4.9266, "003": 4.927, "004": 4.9266}
+PAPER_ROWS = [
+    ("000", "Baseline Attention", "4.9266", None, None, "24.5 h training", "full"),
+    ("000", "Our Method", "4.6498", None, None, "25.1 h training", "dsa_fixed"),
+    ("002", "Qwen baseline", "4.9266", None, "28 GB", "13,200 tok/s", "full"),
+    ("002", "Full Model", "4.904", None, "22 GB", "12,500 tok/s (0.95x)", "dsa"),
+    ("002", "No Gating", "4.918", None, None, None, "dsa_nogate"),
+    ("002", "Fixed Window", "4.927", None, None, None, "dsa_fixed"),
+    ("002", "No Window", "5.012", None, None, None, "dsa_nowin"),
+    ("002", "Probabilistic Positional Attention", "5.1300", None, None, None, None),
+    ("003", "Qwen Baseline", "4.927", 0.012, None, "1.00x", "full"),
+    ("003", "Dynamic Sparse", "4.904", 0.011, None, "1.15x", "dsa"),
+    ("003", "ASGA (Ours)", "5.148", 0.015, None, "0.92x", "asga"),
+    ("003", "Removing geometric scaling", "5.201", None, None, None, "asga_noscale"),
+    ("003", "Fixed sparsity patterns", "5.087", None, None, None, "asga_fixed"),
+    ("003", "Disabling both components", "4.930", None, None, None, "asga_off"),
+    ("004", "Baseline", "4.9266", None, "31.5 GB", "1.00x", "full"),
+    ("004", "Sparse [Combiner]", "4.904", None, "29.8 GB", "1.05x", "combiner"),
+    ("004", "Local [Longformer]", "5.021", None, "30.2 GB", "1.03x", "local"),
+    ("004", "CAA", "4.712", None, "66.6 GB", "0.82x", "caa"),
+]
+PAPER_NOTES = [
+    "**dsa's two configurations.** 000/001 window every query (W=256, no threshold): "
+    "4.6498 belongs to `dsa_fixed` (`--dsa_window=fixed`). 002 windows only queries at "
+    "positions >= 512 (its \"adaptive window\"): 4.904 belongs to `dsa` "
+    "(`--dsa_window=adaptive`); 002's own \"Fixed Window\" ablation (4.927) is the same "
+    "configuration as 000's method, so the two papers disagree about it by 0.28. 003's "
+    "\"Dynamic Sparse\" row repeats 002's 4.904 without naming a configuration; we place it "
+    "with `dsa`. The adaptive rule's effect depends on how many positions it windows: "
+    "{share_study} of the study's {seq_len}-byte sequences (threshold {threshold}), 50% at "
+    "the papers' seq_len 1024, 98.4% at 002's 32768.",
+    "**Probabilistic Positional Attention (002, 5.13)** is not built: it has no published "
+    "definition to implement. The only paper by that name reports 5.13 as the validation loss "
+    "of its *baseline* run and says its own mechanism never ran (shape mismatches).",
+    "**Sparse [Combiner] (004, 4.904)**: 004 cites Combiner (Yao et al. 2021, \"Combiner: "
+    "Full Attention Transformer with Sparse Computation Cost\") for this row; our `combiner` "
+    "configuration is this project's implementation of that paper.",
+    "**Efficiency columns.** 000 gives training hours, 002 memory and tokens/s, 003 a "
+    "\"relative efficiency\" it does not define, 004 memory and relative throughput; ours are "
+    "tokens/s and peak memory relative to `full` on a CPU, which show cost, not GPU speed.",
+]
 
 
 # ----------------------------------------------------------------------------- running
@@ -64,13 +185,19 @@ def kernel_default():
     return "fused" if out.stdout.strip() else "ref"
 
 
-def lm_overrides(args):
-    batch = 2 * args.seq_len
-    steps = max(1, args.tokens // batch)
-    return dict(model=args.model, seq_len=args.seq_len, batch_size=2, total_batch_tokens=batch,
-                lr=args.lr, warmup_steps=min(10, steps), max_steps=steps,
-                eval_every=max(1, steps // 6), val_tokens=8192, gate_batch=2, ckpt_every=100000,
-                kernel=args.kernel, data_dir=rel(args.data_dir))
+def unavailable(attn, flags):
+    """None if this checkout can build the configuration, else why not (a flag or variant
+    another branch adds that is not here yet)."""
+    from attention import VARIANTS
+    from model import PRESETS, Model, ModelConfig
+
+    if attn not in VARIANTS:
+        return f"--attn={attn} is not in this checkout's attention.py"
+    try:
+        Model(ModelConfig(**{**PRESETS["tiny"], "vocab_size": 64, "attn": attn, **flags}))
+    except (TypeError, ValueError, AssertionError) as e:
+        return f"{' '.join(f'--{k}={v}' for k, v in flags.items())} is not accepted here ({type(e).__name__})"
+    return None
 
 
 def rel(path):
@@ -79,71 +206,112 @@ def rel(path):
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def text_command(attn, flags, seed, out_dir, data_dir, kernel, **overrides):
+    args = {**TEXT, **overrides, "attn": attn, **flags, "seed": seed, "kernel": kernel,
+            "data_dir": rel(data_dir), "out_dir": rel(out_dir)}
+    return [sys.executable, "experiments/paired.py"] + [f"--{k}={v}" for k, v in args.items()]
+
+
 def train(cmd, out_dir):
-    """Run train.py unless out_dir holds a finished run; resume from a checkpoint."""
+    """Run the command unless out_dir holds a finished run; resume from a checkpoint."""
     if recall.run_finished(out_dir):
         return False
     os.makedirs(out_dir, exist_ok=True)
-    Path(out_dir, "command.txt").write_text(" ".join(["python", "train.py"] + cmd[2:]) + "\n")
+    Path(out_dir, "command.txt").write_text(" ".join(["python"] + cmd[1:]) + "\n")
     resume = ["--resume=True"] if Path(out_dir, "ckpt.pt").exists() else []
     with open(Path(out_dir, "stdout.txt"), "a") as f:
         subprocess.run(cmd + resume, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     return True
 
 
-def make_corpus(data_dir):
-    if Path(data_dir).is_dir():
-        return
-    subprocess.run([sys.executable, str(ROOT / "data.py"),
-                    f"--source={CORPUS / 'fineweb_legalpilot_train.jsonl'}",
-                    f"--val_source={CORPUS / 'fineweb_legalpilot_val.jsonl'}",
-                    f"--out_dir={data_dir}"], check=True)
+def jobs(args):
+    """[(part, label, run dir, config name, attn, flags, callable)] in the order they run: the
+    positive controls first (recall full/local, then the window runs, `full` first), each
+    configuration's seeds together, so a cut-short sweep has complete paired rows."""
+    out, kernel = Path(args.out_dir), args.kernel
+    found = []
+    for name, attn, flags in sorted(RECALL_CONFIGS, key=lambda c: c[0] not in ("full", "local")):
+        o = out / "recall" / f"{name}_s0"
+        found.append(("recall", f"recall {name}", o, name, attn, flags, lambda a=attn, f=flags, o=o, n=name: recall.run(
+            a, 0, o, args.recall_data_dir, flags=f, name=n, kernel=kernel)))
+    for name, w in [("full", None)] + [(window_run_name(w), w) for w in WINDOWS]:
+        for seed in SEEDS:
+            o = out / "text" / f"{name}_s{seed}"
+            attn, flags = ("full", {}) if w is None else ("local", {} if w == TEXT["window"] else {"window": w})
+            cmd = text_command(attn, flags, seed, o, args.data_dir, kernel)
+            found.append(("window", f"window {name} seed {seed}", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
+    for name, attn, flags in TEXT_CONFIGS:
+        if name in ("full", "local"):
+            continue  # run above with the window control
+        for seed in SEEDS:
+            o = out / "text" / f"{name}_s{seed}"
+            found.append(("text", f"text {name} seed {seed}", o, name, attn, flags,
+                          lambda c=text_command(attn, flags, seed, o, args.data_dir, kernel), o=o: train(c, o)))
+    return found
+
+
+def window_run_name(w):
+    """The window control's run for W: `local` itself at the study's W, else local_wW."""
+    return "local" if w == TEXT["window"] else f"local_w{w}"
+
+
+def done(part, run_dir):
+    if part == "recall":
+        return Path(run_dir, "recall.json").exists()
+    return recall.run_finished(run_dir)
 
 
 def sweep(args):
-    out = Path(args.out_dir)
-    if args.data_dir == DEFAULT_DATA:
-        make_corpus(args.data_dir)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    t0, jobs = time.time(), []
-    for seed in seeds:  # every configuration of seed 0 first: a cut-short sweep still has one each
-        for name, attn, flags, _, _ in CONFIGS:
-            run_args = {**lm_overrides(args), "attn": attn, **flags, "seed": seed,
-                        "out_dir": rel(out / "lm" / f"{name}_s{seed}")}
-            cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in run_args.items()]
-            jobs.append((f"lm {name} seed {seed}", lambda c=cmd, o=ROOT / run_args["out_dir"]: train(c, o)))
-    n_lm = len(jobs)
-    if args.recall_steps > 0:
-        for seed in seeds:
-            for attn in RECALL_VARIANTS:
-                o = str(out / "recall" / f"{attn}_s{seed}")
-                jobs.append((f"recall {attn} seed {seed}", lambda a=attn, s=seed, o=o: recall.run(
-                    a, s, o, args.recall_data_dir, kernel=args.kernel, max_steps=args.recall_steps)))
-    for i, (label, job) in enumerate(jobs):
+    t0 = time.time()
+    names = set(args.configs.split(",")) if args.configs else None
+    todo = [j for j in jobs(args) if args.only in (None, j[0]) and (names is None or j[3] in names)]
+    for i, (part, label, run_dir, name, attn, flags, job) in enumerate(todo):
+        why = unavailable(attn, flags)
+        if why:
+            print(f"[{i + 1}/{len(todo)}] {label}: pending ({why})", flush=True)
+            continue
+        if part != "recall":
+            if args.text_source:
+                text_data.make(args.text_source, args.text_val_source, args.data_dir)
+            if not Path(args.data_dir, text_data.MARKER).exists():
+                sys.exit(f"no byte shards in {args.data_dir}: pass --text_source=TRAIN.jsonl "
+                         f"--text_val_source=VAL.jsonl (data.py's --source forms) to make them")
+        baselines = Path(args.out_dir, "text", "baselines.json")
+        if part != "recall" and not baselines.exists():
+            baselines.parent.mkdir(parents=True, exist_ok=True)
+            baselines.write_text(json.dumps(ngram_baselines(args.data_dir, TEXT["val_tokens"])) + "\n")
         t = time.time()
         ran = job()
-        print(f"[{i + 1}/{len(jobs)}] {label}: {'%.0f s' % (time.time() - t) if ran is not False else 'done before'}"
+        print(f"[{i + 1}/{len(todo)}] {label}: {'%.0f s' % (time.time() - t) if ran is not False else 'done before'}"
               f" | sweep {(time.time() - t0) / 60:.1f} min", flush=True)
-        if i + 1 == n_lm:  # tables of the LM runs before the recall probe starts
-            report(out, args.results_md)
-    report(out, args.results_md)
+        write_results(Path(args.out_dir), args.results_md, figures=False)
+    write_results(Path(args.out_dir), args.results_md, figures=True)
     print(f"sweep finished in {(time.time() - t0) / 60:.1f} min; wrote {args.results_md}")
 
 
-def report(out, results_md):
-    """analyze.py over the LM runs (figures, summary), then RESULTS.md."""
-    lm_runs = sorted(str(p) for p in (out / "lm").iterdir() if p.is_dir())
-    subprocess.run([sys.executable, str(ROOT / "analyze.py"), *lm_runs, f"--out_dir={out / 'analysis'}",
-                    f"--max_runs={len(lm_runs)}"], check=False)
-    write_results(out, results_md)
+def plan(args):
+    """Print every run, whether it is done, and the estimated time of those left."""
+    total = 0.0
+    for part, label, run_dir, name, attn, flags, _ in jobs(args):
+        why = unavailable(attn, flags)
+        steps = recall.TRAIN["max_steps"] if part == "recall" else TEXT["max_steps"]
+        table = STEP_SECONDS["recall" if part == "recall" else "text"]
+        sec = table.get(attn, table["full"])
+        est = None if sec is None else sec * steps
+        state = "done" if done(part, run_dir) else (f"pending: {why}" if why else "to run")
+        if state == "to run" and est:
+            total += est
+        print(f"{label:32s} {state:12s} {'' if est is None else f'~{est / 60:.1f} min'}")
+    print(f"estimated time left: {total / 3600:.2f} h at STEP_SECONDS (one thread, a nearly quiet "
+          f"machine; evaluations add ~5%)")
 
 
 # ----------------------------------------------------------------------------- reading logs
 
 def read_log(run_dir):
-    """log.jsonl -> {'evals': [(step, val)], 'tok_s': median per-step tok/s (step 1 left
-    out: warm-up), 'mem_gb': max, 'final_val': last eval's val}; later records of a step
-    (a resumed run) replace earlier ones."""
+    """log.jsonl -> {'evals': [(step, val)], 'final_val', 'tok_s': median per-step tok/s
+    (step 1 left out: warm-up), 'mem_gb': max}; later records of a step (a resumed run)
+    replace earlier ones."""
     by_step = {}
     for line in Path(run_dir, "log.jsonl").read_text().splitlines():
         try:
@@ -151,270 +319,355 @@ def read_log(run_dir):
         except json.JSONDecodeError:
             continue
         if isinstance(r.get("step"), int) and "event" not in r:
-            by_step[r["step"]] = r
+            by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}
     steps = [by_step[s] for s in sorted(by_step)]
     evals = [(r["step"], r["val"]) for r in steps if isinstance(r.get("val"), (int, float))]
     speeds = [r["tok_s"] for r in steps if "tok_s" in r and r["step"] > 1] or \
-        [r["tok_s"] for r in steps if "tok_s" in r]  # step 1 pays for warm-up (unless it is alone)
+        [r["tok_s"] for r in steps if "tok_s" in r]
     mems = [r["mem_gb"] for r in steps if "mem_gb" in r]
     return {"evals": evals, "final_val": evals[-1][1] if evals else None,
             "tok_s": statistics.median(speeds) if speeds else None, "mem_gb": max(mems) if mems else None}
 
 
-def _mean(values):
-    values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else None
+def text_runs(out, name):
+    """{seed: read_log} of the finished text runs of one configuration."""
+    runs = {}
+    for seed in SEEDS:
+        run = Path(out, "text", f"{name}_s{seed}")
+        if recall.run_finished(run):
+            runs[seed] = read_log(run)
+    return runs
 
 
-def mean_spread(values):
-    """(mean, half the range) of the values present; (None, None) when there are none."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.fmean(values), (max(values) - min(values)) / 2
+def command_of(out, name):
+    for seed in SEEDS:
+        cmd = Path(out, "text", f"{name}_s{seed}", "command.txt")
+        if cmd.exists():
+            return cmd.read_text().strip().replace(f"--seed={seed}", "--seed=SEED") \
+                .replace(f"{name}_s{seed}", f"{name}_sSEED")
+    return None
 
 
-def verdict(ours, ours_spread, paper, n_seeds=2):
-    """Our delta vs full against the paper's delta vs its baseline: 'inconclusive' when our
-    delta is inside the spread (|delta| <= spread) or there is no spread (fewer than 2 seeds
-    on either side), else 'reproduced' when it has the paper's sign and 'not reproduced' when
-    it has the opposite one."""
-    if n_seeds < 2:
-        return "inconclusive (1 seed: no spread)"
-    if abs(ours) <= ours_spread:
-        return "inconclusive"
-    return "reproduced" if (ours > 0) == (paper > 0) else "not reproduced"
+# Two-sided 95% quantiles of Student's t with n - 1 degrees of freedom (n = 2 .. 10 seeds).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def collect(out):
-    """{config name: {'seeds': {seed: read_log}, 'command': str}} for the LM runs present."""
+def paired(deltas):
+    """(mean, sample std, 95% half-width) of per-seed differences; None where undefined."""
+    if not deltas:
+        return None, None, None
+    mean = statistics.fmean(deltas)
+    if len(deltas) < 2:
+        return mean, None, None
+    sd = statistics.stdev(deltas)
+    return mean, sd, T95[len(deltas) - 1] * sd / math.sqrt(len(deltas))
+
+
+def verdict(mean, half_width, paper_delta):
+    """Our paired difference against the paper's difference from its baseline: 'same sign'
+    when the 95% interval excludes 0 on the paper's side, 'opposite sign' when it excludes 0
+    on the other side, 'not resolved' when it contains 0."""
+    if mean is None:
+        return "pending"
+    if half_width is None:
+        return "1 seed: no interval"
+    if abs(mean) <= half_width:
+        return "not resolved"
+    return "same sign" if (mean > 0) == (paper_delta > 0) else "opposite sign"
+
+
+def config_stats(out, name, full_runs):
+    """Per-configuration numbers: seeds, losses, paired deltas from `full`, speed, memory."""
+    runs = text_runs(out, name)
+    if not runs:
+        return None
+    seeds = sorted(runs)
+    deltas = [runs[s]["final_val"] - full_runs[s]["final_val"] for s in seeds if s in full_runs]
+    mean, sd, hw = paired(deltas) if name != "full" else (None, None, None)
+    full_tok = statistics.fmean([full_runs[s]["tok_s"] for s in full_runs]) if full_runs else None
+    full_mem = statistics.fmean([full_runs[s]["mem_gb"] for s in full_runs]) if full_runs else None
+    tok = statistics.fmean([runs[s]["tok_s"] for s in seeds])
+    mem = statistics.fmean([runs[s]["mem_gb"] for s in seeds])
+    return {"seeds": seeds, "vals": [runs[s]["final_val"] for s in seeds],
+            "val": statistics.fmean([runs[s]["final_val"] for s in seeds]),
+            "deltas": deltas, "delta": mean, "sd": sd, "hw": hw, "tok_s": tok, "mem_gb": mem,
+            "tok_rel": tok / full_tok if full_tok else None, "mem_rel": mem / full_mem if full_mem else None,
+            "runs": runs, "command": command_of(out, name)}
+
+
+def recall_results(out):
+    """{config name: recall.json} of the scored recall runs (seed 0)."""
     found = {}
-    for name, *_ in CONFIGS:
-        for run in sorted(Path(out, "lm").glob(f"{name}_s*")):
-            seed = run.name[len(name) + 2:]
-            if not seed.isdigit() or not recall.run_finished(run):  # unfinished: left out
-                continue
-            entry = found.setdefault(name, {"seeds": {}, "command": None})
-            entry["seeds"][int(seed)] = read_log(run)
-            cmd = Path(run, "command.txt")
-            if cmd.exists() and entry["command"] is None:
-                entry["command"] = cmd.read_text().strip().replace(f"--seed={seed}", "--seed=SEED") \
-                    .replace(f"{run.name}", f"{name}_sSEED")
+    for name, *_ in RECALL_CONFIGS:
+        path = Path(out, "recall", f"{name}_s0", "recall.json")
+        if path.exists():
+            found[name] = json.loads(path.read_text())
     return found
-
-
-def lm_table(out):
-    """Rows of the main table (dicts of numbers) and the target loss used."""
-    found = collect(out)
-    full = found.get("full")
-    full_val, full_spread = mean_spread([r["final_val"] for r in full["seeds"].values()]) if full else (None, None)
-    full_tok = _mean([r["tok_s"] for r in full["seeds"].values()]) if full else None
-    full_mem = _mean([r["mem_gb"] for r in full["seeds"].values()]) if full else None
-    target = full_val
-    rows = []
-    for name, attn, flags, paper, note in CONFIGS:
-        entry = found.get(name)
-        if entry is None:
-            rows.append({"name": name, "missing": True, "paper": paper, "note": note})
-            continue
-        runs = [entry["seeds"][s] for s in sorted(entry["seeds"])]
-        val, spread = mean_spread([r["final_val"] for r in runs])
-        tok, mem = _mean([r["tok_s"] for r in runs]), _mean([r["mem_gb"] for r in runs])
-        reach = [next((s for s, v in r["evals"] if target is not None and v <= target), None) for r in runs]
-        row = {"name": name, "attn": attn, "flags": flags, "paper": paper, "note": note,
-               "seeds": sorted(entry["seeds"]), "vals": [r["final_val"] for r in runs],
-               "val": val, "spread": spread, "tok_s": tok, "mem_gb": mem,
-               "tok_s_rel": tok / full_tok if tok and full_tok else None,
-               "mem_rel": mem / full_mem if mem and full_mem else None,
-               "steps_to_target": reach, "command": entry["command"]}
-        if name != "full" and full_val is not None and val is not None:
-            row["delta"] = val - full_val
-            row["delta_spread"] = spread + full_spread  # both means are uncertain
-            row["verdicts"] = [(src, p - PAPER_BASELINE,
-                                verdict(row["delta"], row["delta_spread"], p - PAPER_BASELINE,
-                                        min(len(runs), len(full["seeds"]))))
-                               for src, p in paper]
-        rows.append(row)
-    return rows, target
-
-
-def recall_table(out):
-    """{attn: {'buckets': {label: (mean acc, half range, n seeds)}, 'chance', 'command'}}."""
-    per = {}
-    for path in sorted(Path(out, "recall").glob("*_s*/recall.json")):
-        r = json.loads(path.read_text())
-        per.setdefault(r["attn"], []).append(r)
-    table = {}
-    for attn in RECALL_VARIANTS + sorted(set(per) - set(RECALL_VARIANTS)):
-        if attn not in per:
-            continue
-        results = per[attn]
-        labels = list(results[0]["buckets"])
-        table[attn] = {"chance": results[0]["chance"], "seeds": [r["seed"] for r in results],
-                       "steps": results[0]["step"], "overall": mean_spread([r["overall"] for r in results]),
-                       "n": {k: results[0]["buckets"][k]["n"] for k in labels},
-                       "buckets": {k: mean_spread([r["buckets"][k]["acc"] for r in results]) for k in labels},
-                       "command": results[0]["command"].replace(f"--seed={results[0]['seed']}", "--seed=SEED")
-                       .replace(f"{attn}_s{results[0]['seed']}", f"{attn}_sSEED")}
-    return table
 
 
 # ----------------------------------------------------------------------------- RESULTS.md
 
-def _f(x, spec):
-    return "–" if x is None else format(x, spec)
+PENDING = "pending: run `python experiments/sweep.py`"
 
 
-DISCUSSION = """## What this scale can and cannot say
-
-*(Template: the numbers in it are filled in by `experiments/sweep.py`; edit the prose in
-`DISCUSSION` there, not here.)*
-
-Each LM run trained a {params} model for {tokens:,} tokens ({steps} steps); the `full`
-baseline ended at a validation loss of {full_val} against the papers' 4.9266 at 134M
-parameters and billions of tokens. The seed spread of our losses ranges from {min_spread} to
-{max_spread}: {n_inconclusive} of {n_verdicts} comparisons with a paper number fall inside it
-(inconclusive), {n_reproduced} reproduce the paper's direction and {n_not} go the other way.
-At this size and budget the model is still learning unigram and bigram statistics, a regime
-where attention beyond a few hundred tokens contributes little, so validation loss can show
-costs (speed, memory) and gross failures, not the papers' gains or losses of a few hundredths.
-The recall probe asks the question that loss cannot: whether a variant can use a token beyond
-its window. There `full` scored {full_far} beyond {reach} tokens and `local` {local_far}
-(chance {chance}).
-"""
+def _f(x, spec, none="–"):
+    return none if x is None else format(x, spec)
 
 
-def write_results(out, md_path):
-    out = Path(out)
-    rows, target = lm_table(out)
-    rec = recall_table(out)
-    lines = ["# Results: the papers' tables at small scale", "",
-             "Generated by `python experiments/sweep.py` (rewrite alone: `python experiments/sweep.py "
-             "--results_only`) from the run logs under "
-             f"`{os.path.relpath(out, ROOT)}/`; no number below is typed by hand.", "",
-             "## Validation loss, speed and memory, beside the papers", "",
-             f"Our loss: the last evaluation's validation loss, mean ± spread over seeds, where "
-             f"spread is {SPREAD_RULE}. Δ: our mean minus `full`'s; its spread is the sum of both "
-             f"rows' spreads. Paper Δ: the paper's number minus its baseline {PAPER_BASELINE}. "
-             f"Verdict: *reproduced* when our Δ has the paper's sign and |Δ| exceeds the spread, "
-             f"*not reproduced* when it has the opposite sign and exceeds it, *inconclusive* when "
-             f"|Δ| is within the spread. tok/s (median per-step throughput, step 1 left out) and "
-             f"peak memory (train.py's mem_gb: CPU peak RSS, GPU max allocated) are seed means, "
-             f"relative to `full`. Steps to target: the first evaluation step (per seed) whose "
-             f"validation loss is <= `full`'s mean final loss ({_f(target, '.4f')}); – never.", "",
-             "| config | seeds | our val loss | Δ vs full | paper | paper Δ | verdict | tok/s vs full "
-             "| peak mem vs full | steps to target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        paper = " / ".join(f"{p:.4f} ({src})" for src, p in r["paper"]) or f"{PAPER_BASELINE} (baseline)"
-        if r.get("missing"):
-            lines.append(f"| {r['name']} | – | not run (or unfinished) | – | {paper} | – | – | – | – | – |")
+def _delta(s):
+    if s is None or s["delta"] is None:
+        return "–"
+    if s["hw"] is None:
+        return f"{s['delta']:+.4f} (1 seed)"
+    return f"{s['delta']:+.4f} ± {s['hw']:.4f}"
+
+
+def write_results(out, md_path, figures=False):
+    """RESULTS.md from the logs under out (and, with figures=True, assets/study_*.png)."""
+    out, md_path = Path(out), Path(md_path)
+    full_runs = text_runs(out, "full")
+    stats = {name: config_stats(out, name, full_runs) for name, *_ in TEXT_CONFIGS}
+    windows = {w: config_stats(out, window_run_name(w), full_runs) for w in WINDOWS}
+    rec = recall_results(out)
+    link = lambda p: os.path.relpath(p, md_path.resolve().parent)  # noqa: E731
+    L = ["# Results: the papers' configurations at a scale that can tell them apart", "",
+         "Generated by `python experiments/sweep.py` (rewrite alone: `python experiments/sweep.py "
+         f"--results_only`) from the run logs under `{os.path.relpath(out, ROOT)}/`; no number below "
+         f"is typed by hand except the papers' own. A row marked *pending* has no finished log yet; "
+         f"`python experiments/sweep.py` runs it (it skips every finished run and resumes a cut one). "
+         f"The first text run needs the byte shards: add `--text_source=TRAIN.jsonl "
+         f"--text_val_source=VAL.jsonl` (the corpus slice's train and validation files).", ""]
+    L += setup_section(out)
+    L += recall_section(rec, out, md_path, link)
+    L += window_section(windows, stats.get("full"), link)
+    L += text_section(stats, link)
+    L += paper_section(stats)
+    L += scale_section(windows, rec, out)
+    md_path.write_text("\n".join(L) + "\n")
+    if figures:
+        import figures as figs
+        figs.all_figures(out, ROOT / "assets", stats, windows, rec, TEXT_CONFIGS)
+    return stats, windows, rec
+
+
+def setup_section(out):
+    t, r = TEXT, recall.TRAIN
+    share = windowed_share(t["seq_len"], t["dsa_threshold"])
+    path = Path(out, "text", "baselines.json")
+    base = json.loads(path.read_text()) if path.exists() else None
+    base_text = (f" On these validation bytes the train split's unigram statistics score "
+                 f"{base['unigram']:.4f} and its bigram statistics {base['bigram']:.4f} nats per byte "
+                 f"(a run below the bigram number uses more than the previous byte)." if base else "")
+    return [
+        "## Setup", "",
+        f"- **Corpus**: a legal/news-skewed subset of FineWeb (FineWeb sample-10BT documents that "
+        f"passed a legal-keyword filter, then scored for legal value; general web text with a "
+        f"legal/news/government skew, not a uniform FineWeb sample), read as UTF-8 bytes "
+        f"(vocabulary 256; `experiments/text_data.py`).",
+        f"- **Text runs**: {t['n_layer']} layers, d_model {t['d_model']}, {t['n_head']} heads of "
+        f"{t['head_dim']}, sequences of {t['seq_len']} bytes, {t['max_steps']} steps of "
+        f"{t['total_batch_tokens']} bytes ({t['max_steps'] * t['total_batch_tokens']:,} bytes), lr "
+        f"{t['lr']}, validation on the first {t['val_tokens']:,} val bytes. Window W = {t['window']} "
+        f"for every windowed variant; dsa's adaptive threshold {t['dsa_threshold']} (2W, as 512 = 2 x 256 "
+        f"in 002), so `dsa_window=adaptive` windows {share:.0%} of the positions; caa's width "
+        f"{t['window']}..{t['caa_window_max']}.{base_text}",
+        f"- **Paired seeds**: seeds {', '.join(map(str, SEEDS))}. At one seed every run reads the "
+        f"same batches (data.py's loader permutes with its own generator seeded by the seed) and "
+        f"starts from the same values of every parameter it shares with `full` "
+        f"(`experiments/paired.py`: train.py alone would shift them, because a variant's extra "
+        f"gate parameters are drawn in the middle of the init stream). A difference is reported "
+        f"per seed against `full` at that seed, then as mean ± the 95% half-width "
+        f"(t quantile x sample std / sqrt(n)).",
+        f"- **Recall runs**: MQAR (`experiments/recall.py`), form `{recall.TASK['form']}`, "
+        f"{recall.TASK['seq_len']} tokens, {recall.TASK['n_keys']} keys, {recall.TASK['n_values']} "
+        f"values; {r['n_layer']} layers, d_model {r['d_model']}, {r['n_head']} heads of {r['head_dim']}, "
+        f"{r['max_steps']} steps of {r['total_batch_tokens']} tokens, lr {r['lr']}; W = {r['window']}, "
+        f"dsa threshold {r['dsa_threshold']} (windows {windowed_share(r['seq_len'], r['dsa_threshold']):.0%} "
+        f"of the positions), caa width {r['window']}..{r['caa_window_max']}. Scored on "
+        f"{recall.EVAL_SEQS} held-out sequences.", ""]
+
+
+def recall_section(rec, out, md_path, link):
+    L = ["## Recall by distance", ""]
+    labels = [b[0] for b in recall.bucket_edges(recall.TRAIN["window"], recall.TRAIN["n_layer"])]
+    W, Ln = recall.TRAIN["window"], recall.TRAIN["n_layer"]
+    L += [f"Accuracy of the argmax at every recurring key (seed 0). lag = positions between the "
+          f"query and the nearest earlier token holding its answer; a windowed layer sees lag <= W "
+          f"= {W}, {Ln} stacked layers could relay at most {Ln * W}. Chance: 1/{recall.TASK['n_values']} "
+          f"= {1 / recall.TASK['n_values']:.4f}. `full` must score >= 0.9 for the probe to mean "
+          f"anything; `local` should be at chance beyond lag {Ln * W}.", "",
+          "| config | overall | " + " | ".join(labels) + " | steps |",
+          "|---|---|" + "---|" * len(labels) + "---|"]
+    for name, attn, flags in RECALL_CONFIGS:
+        r = rec.get(name)
+        if r is None:
+            why = unavailable(attn, flags)
+            L.append(f"| {name} | {'pending: ' + why if why else PENDING} |" + " |" * len(labels) + " |")
             continue
-        val = f"{r['val']:.4f} ± {r['spread']:.4f}" if r["val"] is not None else "–"
-        delta = f"{r['delta']:+.4f} ± {r['delta_spread']:.4f}" if "delta" in r else "–"
-        paper_delta = " / ".join(f"{d:+.4f}" for _, d, _ in r.get("verdicts", [])) or "–"
-        verdicts = [v for _, _, v in r.get("verdicts", [])]
-        if not verdicts:
-            verdict_text = "baseline" if r["name"] == "full" else "–"
-        elif len(set(verdicts)) == 1:
-            verdict_text = verdicts[0]
-        else:
-            verdict_text = " / ".join(f"{v} ({src})" for (src, _, v) in r["verdicts"])
-        reach = "/".join("–" if s is None else str(s) for s in r["steps_to_target"])
-        note = f" ({r['note']})" if r["note"] and r["name"] != "full" else ""
-        lines.append(f"| {r['name']}{note} | {len(r['seeds'])} | {val} | {delta} | {paper} | {paper_delta} "
-                     f"| {verdict_text} | {_f(r['tok_s_rel'], '.2f')}x ({_f(r['tok_s'], '.0f')}) "
-                     f"| {_f(r['mem_rel'], '.2f')}x ({_f(r['mem_gb'], '.2f')} GB) | {reach} |")
-    lines += ["", "Per-seed final losses and the command of each row (SEED = each seed):", ""]
-    for r in rows:
-        if not r.get("missing"):
-            vals = ", ".join(f"seed {s}: {v:.4f}" for s, v in zip(r["seeds"], r["vals"]) if v is not None)
-            lines.append(f"- **{r['name']}** ({vals}): `{r['command']}`")
-    lines += ["", "## Recall by distance", ""]
+        cells = [f"{_f(r['buckets'][k]['acc'], '.3f')} (n={r['buckets'][k]['n']})" for k in labels]
+        L.append(f"| {name} | {r['overall']:.3f} | " + " | ".join(cells) + f" | {r['step']} |")
     if rec:
-        first = next(iter(rec.values()))
-        labels = list(first["buckets"])
-        lines += [f"Accuracy of the argmax at query positions on held-out recall sequences "
-                  f"(`experiments/recall.py`; mean ± half the range over seeds; chance "
-                  f"{first['chance']:.4f} = 1/n_values). d = positions since the key's previous "
-                  f"occurrence; W = window, the stacked receptive field of the 2-layer "
-                  f"windowed model is 2W. Queries per bucket: "
-                  + ", ".join(f"{k}: {first['n'][k]}" for k in labels) + ".", "",
-                  "| variant | seeds | steps | " + " | ".join(labels) + " | all |",
-                  "|---|---|---|" + "---|" * (len(labels) + 1)]
-        for attn, t in rec.items():
-            cells = [f"{m:.3f} ± {s:.3f}" if m is not None else "–" for m, s in t["buckets"].values()]
-            lines.append(f"| {attn} | {len(t['seeds'])} | {t['steps']} | " + " | ".join(cells)
-                         + f" | {t['overall'][0]:.3f} ± {t['overall'][1]:.3f} |")
-        lines += ["", "Commands:", ""] + [f"- **{a}**: `{t['command']}`" for a, t in rec.items()]
+        L += ["", f"![recall accuracy by lag]({link(ROOT / 'assets' / 'study_recall.png')})", "",
+              "Commands (the shards in experiments/data/recall are made by `recall.make_data`, which "
+              "`python experiments/recall.py` and the sweep call first):", ""] + [f"- **{n}**: `{r['command']}`" for n, r in rec.items()]
+    return L + [""]
+
+
+def window_section(windows, full, link):
+    L = ["## Positive control on text: validation loss against the window", "",
+         f"`local` with window W and `full`, same budget, paired seeds. Δ: `local` minus `full` at "
+         f"the same seed, mean ± 95% half-width.", "",
+         "| W | seeds | val loss (mean) | Δ vs full | resolved? |", "|---|---|---|---|---|"]
+    for w, s in list(windows.items()) + [("full", full)]:
+        if s is None:
+            L.append(f"| {w} | – | {PENDING} | – | – |")
+            continue
+        res = "–" if w == "full" else verdict(s["delta"], s["hw"], +1).replace("same sign", "yes: worse than full") \
+            .replace("opposite sign", "yes: better than full")
+        L.append(f"| {w} | {len(s['seeds'])} | {s['val']:.4f} | {'baseline' if w == 'full' else _delta(s)} | {res} |")
+    if any(windows.values()):
+        L += ["", f"![validation loss against the window]({link(ROOT / 'assets' / 'study_window.png')})"]
+    return L + [""]
+
+
+def text_section(stats, link):
+    L = ["## Every configuration: paired difference from `full`", "",
+         "Final validation loss (nats per byte); Δ per seed and mean ± 95% half-width; tok/s "
+         "(median per-step throughput, step 1 left out) and peak memory (train.py's mem_gb: CPU "
+         "peak RSS) relative to `full`, seed means. The runs ran at different times on a shared "
+         "machine, so tok/s is a rough cost, not a speed comparison (kernels.py's benchmark is "
+         "that).", "",
+         "| config | flags | seeds | val loss | Δ per seed | Δ vs full | tok/s vs full | peak mem vs full |",
+         "|---|---|---|---|---|---|---|---|"]
+    for name, attn, flags in TEXT_CONFIGS:
+        s = stats[name]
+        fl = " ".join(f"--{k}={v}" for k, v in {"attn": attn, **flags}.items())
+        if s is None:
+            why = unavailable(attn, flags)
+            L.append(f"| {name} | `{fl}` | – | {'pending: ' + why if why else PENDING} | – | – | – | – |")
+            continue
+        per = ", ".join(f"{d:+.4f}" for d in s["deltas"]) if name != "full" else "–"
+        L.append(f"| {name} | `{fl}` | {len(s['seeds'])} | {s['val']:.4f} | {per} | "
+                 f"{'baseline' if name == 'full' else _delta(s)} | {_f(s['tok_rel'], '.2f')}x ({_f(s['tok_s'], '.0f')}) | "
+                 f"{_f(s['mem_rel'], '.2f')}x ({_f(s['mem_gb'], '.2f')} GB) |")
+    commands = [(n, s["command"]) for n, s in stats.items() if s and s["command"]]
+    if commands:
+        L += ["", f"![validation loss, mean and range over seeds]({link(ROOT / 'assets' / 'study_loss.png')})",
+              "", "Commands (SEED = each seed):", ""] + [f"- **{n}**: `{c}`" for n, c in commands]
+    return L + [""]
+
+
+def paper_section(stats):
+    t = TEXT
+    L = ["## The papers' numbers beside ours", "",
+         "Every number of the papers' tables. Paper Δ: the row's loss minus its own paper's baseline "
+         "(003's is 4.927, the others' 4.9266). Ours: the paired Δ from `full` above and our cost "
+         "relative to `full`. Verdict: *same sign* / *opposite sign* when our 95% interval excludes "
+         "0, *not resolved* when it does not (the papers' differences are a few hundredths at 134M "
+         "parameters and billions of tokens; ours are at a far smaller scale, so only the sign is "
+         "compared).", "",
+         "| paper | paper's row | val loss | paper Δ | memory | speed / efficiency | our config | our Δ vs full "
+         "| our tok/s vs full | our peak mem vs full | verdict |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for paper, row, loss, pm, mem, speed, cfg in PAPER_ROWS:
+        pdelta = float(loss) - PAPER_BASELINES[paper]
+        s = stats.get(cfg) if cfg else None
+        loss_text = loss + (f" ± {pm:.3f}" if pm is not None else "")
+        base = cfg == "full"
+        ours = "not built (see below)" if cfg is None else ("baseline" if base else (_delta(s) if s else "pending"))
+        v = "–" if cfg is None or base else verdict(s["delta"] if s else None, s["hw"] if s else None, pdelta)
+        L.append(f"| {paper} | {row} | {loss_text} | {'–' if base else f'{pdelta:+.4f}'} | {mem or '–'} | "
+                 f"{speed or '–'} | {cfg or '–'} | {ours} | "
+                 f"{_f(s['tok_rel'], '.2f') + 'x' if s else '–'} | {_f(s['mem_rel'], '.2f') + 'x' if s else '–'} | {v} |")
+    notes = [n.format(share_study=f"{windowed_share(t['seq_len'], t['dsa_threshold']):.0%}",
+                      seq_len=t["seq_len"], threshold=t["dsa_threshold"]) for n in PAPER_NOTES]
+    L += [""] + [f"- {n}" for n in notes] + ["", "Papers: " + "; ".join(PAPERS.values()) + "."]
+    return L + [""]
+
+
+def scale_section(windows, rec, out):
+    """The plain sentences on what this scale resolves, from the numbers."""
+    L = ["## What this scale can and cannot resolve", ""]
+    measured = {w: s for w, s in windows.items() if s and s["hw"] is not None}
+    worse = [w for w, s in measured.items() if s["delta"] > s["hw"]]
+    better = [w for w, s in measured.items() if s["delta"] < -s["hw"]]
+    same = [w for w in measured if w not in worse and w not in better]
+    if not measured:
+        L.append(f"The window control has not run yet ({PENDING}).")
     else:
-        lines.append("No recall runs yet.")
-    lines += ["", "## Gate figures (analyze.py)", ""]
-    analysis = out / "analysis"
-    figs = sorted(p for p in analysis.glob("*.png") if p.stem.split("_", 1)[-1].startswith(("dsa_s", "caa_s")))
-    lines += [f"- [{p.name}]({os.path.relpath(p, Path(md_path).resolve().parent)})" for p in figs] or ["No figures yet."]
-    if (analysis / "summary.md").exists():
-        lines.append(f"- analyze.py's full summary: [{os.path.relpath(analysis / 'summary.md', Path(md_path).resolve().parent)}]"
-                     f"({os.path.relpath(analysis / 'summary.md', Path(md_path).resolve().parent)})")
-    lines += ["", discussion(out, rows, rec)]
-    Path(md_path).write_text("\n".join(lines) + "\n")
-    return rows, rec
-
-
-def discussion(out, rows, rec):
-    verdicts = [v for r in rows for _, _, v in r.get("verdicts", [])]
-    spreads = [r["spread"] for r in rows if r.get("spread") is not None]
-    full = next((r for r in rows if r["name"] == "full" and not r.get("missing")), None)
-    params = tokens = steps = "?"
-    cfg_path = out / "lm" / "full_s0" / "config.json"
-    if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        params = f"{cfg['num_params'] / 1e6:.2f}M-parameter"
-        steps = cfg["train"]["max_steps"]
-        tokens = steps * cfg["train"]["total_batch_tokens"]
-
-    def far(attn):
-        t = rec.get(attn)
-        if not t:
-            return "–"
-        m, s = list(t["buckets"].values())[-1]
-        return "–" if m is None else f"{m:.3f} ± {s:.3f}"
-
-    reach = list(next(iter(rec.values()))["buckets"])[-1].split()[-1] if rec else "?"
-    return DISCUSSION.format(
-        params=params, tokens=tokens if isinstance(tokens, int) else 0, steps=steps,
-        full_val=_f(full["val"] if full else None, ".4f"),
-        min_spread=_f(min(spreads) if spreads else None, ".4f"), max_spread=_f(max(spreads) if spreads else None, ".4f"),
-        n_verdicts=len(verdicts), n_inconclusive=verdicts.count("inconclusive"),
-        n_reproduced=verdicts.count("reproduced"), n_not=verdicts.count("not reproduced"),
-        full_far=far("full"), local_far=far("local"), reach=reach,
-        chance=_f(next(iter(rec.values()))["chance"] if rec else None, ".4f"))
-
-
-DEFAULT_DATA = str(ROOT / "experiments" / "data" / "corpus")
+        text = []
+        if worse:
+            text.append(f"`local` at W = {', '.join(map(str, worse))} is measurably worse than `full` "
+                        f"(95% interval above 0)")
+        if same:
+            text.append(f"`local` at W = {', '.join(map(str, same))} cannot be told from `full`")
+        if better:
+            text.append(f"`local` at W = {', '.join(map(str, better))} is measurably *better* than `full` "
+                        f"(a window is a locality prior that speeds early learning)")
+        missing = [w for w in WINDOWS if w not in measured]
+        deltas = [d for s in measured.values() for d in s["deltas"]]
+        text.append(f"in {sum(d < 0 for d in deltas)} of {len(deltas)} paired comparisons `local` ends "
+                    f"below `full`, and its mean Δ goes from {measured[min(measured)]['delta']:+.4f} at "
+                    f"W = {min(measured)} to {measured[max(measured)]['delta']:+.4f} at W = {max(measured)}")
+        sentence = "; ".join(text) + (f" (W = {', '.join(map(str, missing))}: not run yet)" if missing else "") + "."
+        L.append(sentence[0].upper() + sentence[1:])
+        L.append("")
+        L.append("So at this model size and budget the loss shows "
+                 + (f"the use of context up to about {max(worse)} bytes" if worse
+                    else f"no measurable use of context beyond {min(measured)} bytes")
+                 + ": any difference between variants that depends on tokens further back than that "
+                   "(which is what the papers' windows of 256 tokens are about) cannot show in the loss "
+                   "here, whatever it would do at the papers' scale. The recall probe is the test of what "
+                   "a variant can reach; the loss table shows cost and gross failures.")
+    long_full, long_local = (Path(out, "calibration", n) for n in ("long_full_s0", "long_local_w4_s0"))
+    if recall.run_finished(long_full) and recall.run_finished(long_local):
+        f, l = read_log(long_full), read_log(long_local)
+        steps = f["evals"][-1][0]
+        at = lambda r, t: dict(r["evals"]).get(t)  # noqa: E731
+        marks = [t for t, _ in f["evals"] if t > 0 and at(l, t) is not None]
+        L += ["", f"A longer budget does not change this: with {steps} steps instead of "
+                  f"{TEXT['max_steps']} (seed 0; `experiments/results/calibration/`, run in a temporary "
+                  f"folder and its log copied there) `local` at W = 4 minus `full` was "
+                  + ", ".join(f"{at(l, t) - at(f, t):+.4f} at step {t}" for t in marks[1::2])
+                  + f" (final {l['final_val']:.4f} vs {f['final_val']:.4f}): `full` had not yet "
+                    f"overtaken a 4-byte window. Telling context lengths apart on text needs a "
+                    f"much larger budget than this CPU study has; the table of every configuration "
+                    f"measures cost and gross failures."]
+    full = rec.get("full")
+    if full:
+        L += ["", f"Recall: `full` scores {full['overall']:.3f} overall (the probe is "
+                  f"{'valid' if full['overall'] >= 0.9 else 'NOT valid: full is below 0.9'})."]
+        local = rec.get("local")
+        if local:
+            far = [k for k, b in local["buckets"].items() if b["lo"] >= recall.TRAIN["n_layer"] * recall.TRAIN["window"]]
+            accs = ", ".join(f"{_f(local['buckets'][k]['acc'], '.3f')} ({k})" for k in far)
+            L.append(f"`local` beyond its receptive field: {accs}; chance {local['chance']:.4f}.")
+    return L
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_dir", default=DEFAULT_DATA,
-                   help="LM token shards (default: made from ../shared/corpus on first use)")
+    p.add_argument("--text_source", default=None, help="train documents for the byte shards (data.py --source forms)")
+    p.add_argument("--text_val_source", default=None)
+    p.add_argument("--data_dir", default=str(ROOT / "experiments" / "data" / "text"))
+    p.add_argument("--recall_data_dir", default=str(ROOT / "experiments" / "data" / "recall"))
     p.add_argument("--out_dir", default=str(ROOT / "experiments" / "results"))
     p.add_argument("--results_md", default=str(ROOT / "RESULTS.md"))
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--seq_len", type=int, default=1024)
-    p.add_argument("--tokens", type=int, default=102_400, help="training tokens per LM run")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seeds", default="0,1")
     p.add_argument("--kernel", default=None, help="ref | fused (default: fused if kernels.py is committed)")
-    p.add_argument("--recall_steps", type=int, default=recall.TRAIN["max_steps"], help="0: no recall probe")
-    p.add_argument("--recall_data_dir", default=str(ROOT / "experiments" / "data" / "recall"))
-    p.add_argument("--results_only", action="store_true", help="only rewrite RESULTS.md from the logs")
+    p.add_argument("--only", choices=("recall", "window", "text"), default=None)
+    p.add_argument("--configs", default=None, help="only these configuration names (comma-separated; "
+                   "window runs are named local_wW)")
+    p.add_argument("--plan", action="store_true", help="list the runs and the estimated time left")
+    p.add_argument("--results_only", action="store_true", help="only rewrite RESULTS.md and the figures")
     args = p.parse_args(argv)
+    args.kernel = args.kernel or kernel_default()
     if args.results_only:
-        write_results(Path(args.out_dir), args.results_md)
+        write_results(Path(args.out_dir), args.results_md, figures=True)
         print(f"wrote {args.results_md}")
         return 0
-    args.kernel = args.kernel or kernel_default()
+    if args.plan:
+        plan(args)
+        return 0
     sweep(args)
     return 0
 

@@ -1,0 +1,118 @@
+"""The study's figures, drawn from the numbers experiments/sweep.py reads out of the logs:
+
+    assets/study_loss.png     validation loss per configuration (seed mean, band = min..max over seeds)
+                              and its paired difference from `full` at each evaluation
+    assets/study_window.png   `local`'s paired Δ from `full` against the window W (95% intervals)
+    assets/study_recall.png   recall accuracy by lag per configuration, W and L*W marked, chance line
+
+`python experiments/sweep.py --results_only` redraws them.
+"""
+from pathlib import Path
+
+import recall
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def loss_curves(stats, configs, path):
+    """One column per family (full/local, dsa, asga, caa/combiner). Top: validation loss, seed
+    mean and min..max band. Bottom: the paired difference from `full` at the same seed and
+    step, mean and band (what the tables report, at every evaluation)."""
+    plt = _plt()
+    families = [("full / local", ("local",)), ("dsa", ("dsa",)), ("asga", ("asga",)),
+                ("caa / combiner", ("caa", "combiner"))]
+    full = stats.get("full")
+    fig, axes = plt.subplots(2, len(families), figsize=(4.2 * len(families), 6.4), sharey="row", sharex=True)
+    for col, (title, prefixes) in enumerate(families):
+        top, bottom = axes[0, col], axes[1, col]
+        for name, *_ in configs:
+            s = stats.get(name)
+            if s is None or not (name == "full" or name.startswith(prefixes)):
+                continue
+            seeds = sorted(s["runs"])
+            curves = {seed: dict(s["runs"][seed]["evals"]) for seed in seeds}
+            steps = sorted(set.intersection(*(set(c) for c in curves.values())) - {0})
+            if not steps:
+                continue
+            vals = [[curves[seed][t] for seed in seeds] for t in steps]
+            line, = top.plot(steps, [sum(v) / len(v) for v in vals], label=f"{name} ({len(seeds)} seeds)",
+                             lw=2 if name == "full" else 1.2, color="black" if name == "full" else None)
+            top.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
+            if name == "full" or full is None:
+                continue
+            paired = [seed for seed in seeds if seed in full["runs"]]
+            full_curves = {seed: dict(full["runs"][seed]["evals"]) for seed in paired}
+            dsteps = [t for t in steps if all(t in full_curves[seed] for seed in paired)]
+            if not paired or not dsteps:
+                continue
+            d = [[curves[seed][t] - full_curves[seed][t] for seed in paired] for t in dsteps]
+            bottom.plot(dsteps, [sum(v) / len(v) for v in d], color=line.get_color(), lw=1.2)
+            bottom.fill_between(dsteps, [min(v) for v in d], [max(v) for v in d], color=line.get_color(), alpha=0.2)
+        bottom.axhline(0, color="black", lw=1)
+        top.set_title(title)
+        bottom.set_xlabel("step")
+        top.legend(fontsize=7)
+    axes[0, 0].set_ylabel("validation loss (nats / byte)")
+    axes[1, 0].set_ylabel("paired Δ vs full")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def window_figure(windows, path):
+    plt = _plt()
+    rows = [(w, s) for w, s in windows.items() if s is not None and s["delta"] is not None]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    if rows:
+        ws = [w for w, _ in rows]
+        ax.errorbar(ws, [s["delta"] for _, s in rows], yerr=[s["hw"] or 0 for _, s in rows], fmt="o-", capsize=4,
+                    label="local(W) - full, mean and 95% interval")
+        for w, s in rows:
+            ax.scatter([w] * len(s["deltas"]), s["deltas"], s=10, color="gray", zorder=3)
+    ax.axhline(0, color="black", lw=1, label="full")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("window W (bytes)")
+    ax.set_ylabel("Δ validation loss vs full (paired)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def recall_figure(rec, path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    W, L = recall.TRAIN["window"], recall.TRAIN["n_layer"]
+    for name, r in rec.items():
+        bins = r["by_lag"]
+        ax.plot([(lo + hi) / 2 for lo, hi, _, _ in bins], [acc for *_, acc in bins], marker=".",
+                label=name, lw=2 if name in ("full", "local") else 1)
+    ax.axvline(W, color="gray", ls="--", lw=1)
+    ax.axvline(L * W, color="gray", ls=":", lw=1)
+    ax.axhline(1 / recall.TASK["n_values"], color="red", lw=1, label="chance")
+    ax.text(W, 1.02, " W", fontsize=8)
+    ax.text(L * W, 1.02, f" {L}W", fontsize=8)
+    ax.set_ylim(0, 1.08)
+    ax.set_xlabel("lag (positions back to the answer)")
+    ax.set_ylabel("recall accuracy")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def all_figures(out, assets, stats, windows, rec, configs):
+    assets = Path(assets)
+    assets.mkdir(exist_ok=True)
+    if any(stats.values()):
+        loss_curves(stats, configs, assets / "study_loss.png")
+    if any(s is not None for s in windows.values()):
+        window_figure(windows, assets / "study_window.png")
+    if rec:
+        recall_figure(rec, assets / "study_recall.png")
