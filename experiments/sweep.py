@@ -56,9 +56,9 @@ SEEDS = (0, 1, 2)
 # ----------------------------------------------------------------------------- configurations
 # (name, attn, flags). Edit here when a flag's name changes; a configuration whose attn or
 # flag this checkout does not have is listed as pending (see `unavailable`), never guessed.
-# Flag names not in this checkout when this list was written: attn='combiner' (004's
-# "Sparse [Combiner]" baseline) and asga_gate='prob' (the probability-space gate,
-# softmax(alpha + log s): this project's variant of 003's eq. 3).
+# This project's own flags beside the papers' configurations: asga_gate_space='prob' (the
+# probability-space gate, softmax(alpha + log s), our variant of 003's eq. 3) and
+# caa_gate_norm (a LayerNorm on caa's gate MLP: our reading of 004's "careful normalization").
 TEXT_CONFIGS = [
     ("full", "full", {}),
     ("local", "local", {}),
@@ -70,8 +70,9 @@ TEXT_CONFIGS = [
     ("asga_noscale", "asga", {"asga_scale": False}),
     ("asga_fixed", "asga", {"asga_gate": "fixed"}),
     ("asga_off", "asga", {"asga_gate": "off", "asga_scale": False}),
-    ("asga_prob", "asga", {"asga_gate": "prob"}),
+    ("asga_prob", "asga", {"asga_gate_space": "prob"}),
     ("caa", "caa", {}),
+    ("caa_gatenorm", "caa", {"caa_gate_norm": True}),
     ("combiner", "combiner", {}),
 ]
 # Recall adds caa with each branch forced (what each branch alone can reach).
