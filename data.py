@@ -11,7 +11,7 @@ Make shards:
     python data.py --source='texts/*.jsonl' --out_dir=data/mine [--val_source=val.jsonl]
     python data.py --tokenizer=byte --source=texts.jsonl --out_dir=data/bytes   # CPU scale
 
-Tokenizers (SPEC.md, Tokenizers): `gpt2` (tiktoken's GPT-2 BPE, the papers' setting) or
+Tokenizers: `gpt2` (tiktoken's GPT-2 BPE, the papers' setting) or
 `byte` (the 256 byte values of the UTF-8 text: no dependency, and a model small enough for
 a CPU learns it in minutes). The folder's tokenizer.json records which one made the shards
 (`tokenizer_of`); train.py takes the vocabulary size from it and sample.py decodes with it.
@@ -42,17 +42,6 @@ BYTE_EOT = 0  # the byte tokenizer's document separator: NUL, which text practic
 TOKENIZER_FILE = "tokenizer.json"
 # name -> (number of token ids, the id written before every document)
 TOKENIZERS = {"gpt2": (50257, EOT), "byte": (256, BYTE_EOT)}
-
-
-def _default_tiktoken_cache():
-    """Use the checked-out GPT-2 BPE files when they sit beside the repo (offline machines);
-    anywhere else tiktoken downloads them itself, so the folder is never required."""
-    local = Path(__file__).resolve().parent.parent / "shared" / "tiktoken"
-    if local.is_dir() and "TIKTOKEN_CACHE_DIR" not in os.environ:
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(local)
-
-
-_default_tiktoken_cache()
 
 
 class ShardError(ValueError):

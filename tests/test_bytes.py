@@ -1,4 +1,4 @@
-"""The byte-level tokenizer (SPEC.md, Tokenizers): round trips, the shard folder's record of
+"""The byte-level tokenizer (data.py's `--tokenizer=byte`): round trips, the shard folder's record of
 its tokenizer, train.py's vocabulary from it, sample.py's decoding, the unigram baseline.
 
 Needs no GPT-2 files: byte shards are made without tiktoken."""

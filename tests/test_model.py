@@ -17,7 +17,7 @@ SMALL_VOCAB = 512  # enough for structural tests; learning tests use GPT-2's rea
 # paths to it, output and gradient.
 WINDOWS = dict(window=6, caa_window_max=12, dsa_threshold=512, kernel="ref")
 
-# Every variant with every ablation flag (SPEC.md "Ablations ... are flags of these classes").
+# Every variant with every ablation flag (ablations are flags of these classes, not classes).
 CONFIGS = [
     ("full", {}),
     ("local", {}),
