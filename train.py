@@ -125,9 +125,9 @@ class TrainConfig:
 # AdamW betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.
 TRAIN_PRESETS = {
     # The main CPU command, on byte shards (data.py --tokenizer=byte): 4.1M bytes through the
-    # 0.9M-parameter `bytes` model. On the FineWeb slice: val 1.84 nats per byte against a
-    # unigram baseline of 3.25, samples made of English words (assets/sample_cpu.txt); 580 s
-    # of CPU time, i.e. about 5 minutes on 2 idle cores (measured on a loaded machine: 21 min).
+    # 0.9M-parameter `bytes` model. On a 20 MB FineWeb slice: val 1.83 nats per byte against a
+    # unigram baseline of 3.24, samples made of English words, 6.4 min on 2 cores
+    # (assets/sample_cpu.txt).
     "cpu": dict(model="bytes", data_dir="data/bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
                 warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250),
     "qwen-134m": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
