@@ -4,7 +4,6 @@ KV-cache decoding past several block boundaries, gradients, bf16; the core op
 `combiner_attention` of kernels.BLOCKWISE (kernel='fused' on CPU) and kernels.FLEX against
 the reference, and the blockwise path's memory shape (no (T, T) tensor)."""
 import contextlib
-import dataclasses
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import attention
 import kernels
 from attention import CombinerAttention, combiner_summaries, to_blocks
 from model import PRESETS, Model, ModelConfig
+from test_kernels import run  # module.attend with cfg.kernel switched
 
 S = 4  # block size of the small cases
 LENGTHS = (1, 7, S - 1, S, S + 1, 3 * S + 5)
@@ -67,16 +67,6 @@ def make_module(seed=0, window=S, **overrides):
 def qkv(T, B=2, H=4, Hkv=2, D=8, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(B, h, T, D, generator=g).to(device).requires_grad_() for h in (H, Hkv, Hkv)]
-
-
-def run(module, kernel, *args):
-    """module.attend(*args) with cfg.kernel = kernel (attention.ops picks the core op's set)."""
-    cfg = module.cfg
-    module.cfg = dataclasses.replace(cfg, kernel=kernel)
-    try:
-        return module.attend(*args)
-    finally:
-        module.cfg = cfg
 
 
 def rel_error(a, b):
