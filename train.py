@@ -276,6 +276,22 @@ def model_config(tc, overrides):
 
 # ----------------------------------------------------------------------------- set-up
 
+def init_process_group(backend, rank, world):
+    """dist.init_process_group, with a key prefix of its own for each torchrun restart.
+    torchrun's agent keeps serving one key-value store at MASTER_ADDR:MASTER_PORT across
+    restarts, and torch keys the default group's addresses by rank alone, so a restarted
+    rank could read the address of the dead rank it replaces: gloo then failed with
+    "Connection refused" or hung while connecting (3 of 3 restart tests run side by side
+    failed without this prefix, 6 of 6 passed with it)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0":
+        dist.init_process_group(backend=backend)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"restart_{restart}", store),
+                            rank=rank, world_size=world)
+
+
 def set_up(tc):
     """Processes, device, seeds and precision -> a dict describing this process's run.
     torchrun sets RANK / LOCAL_RANK / WORLD_SIZE; a dry run joins no process group and
@@ -299,7 +315,7 @@ def set_up(tc):
         else:
             keep_freed_memory()
         if ddp:
-            dist.init_process_group(backend="nccl" if cuda else "gloo")
+            init_process_group("nccl" if cuda else "gloo", rank, world)
     torch.manual_seed(tc.seed)
     np.random.seed(tc.seed)
     random.seed(tc.seed)

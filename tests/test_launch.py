@@ -69,14 +69,6 @@ def read_log(out_dir):
         return [json.loads(line) for line in f]
 
 
-def resumed_in(out_dir):
-    """Whether the run's log has a `resumed` record yet."""
-    try:
-        return any(r.get("event") == "resumed" for r in read_log(out_dir))
-    except (FileNotFoundError, json.JSONDecodeError):  # a line being written
-        return False
-
-
 def step_losses(out_dir):
     return {r["step"]: r["loss"] for r in read_log(out_dir) if "loss" in r}
 
@@ -191,9 +183,9 @@ def test_torchrun_restart_after_a_killed_worker_resumes_exactly(shards, tmp_path
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run([*TORCHRUN, "--nproc_per_node=2", *args, f"--out_dir={straight}"], timeout=600)
 
-    # --max-restarts=3, not 1: under heavy load gloo's connection set-up of a restarted group
-    # has timed out here once (a failed start, no step run), and then torchrun restarts again.
-    proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=3", *args, f"--out_dir={killed}"],
+    # --max-restarts=1: one restart must resume (a restarted group once read the dead rank's
+    # address from torchrun's store and failed to connect: train.init_process_group)
+    proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", *args, f"--out_dir={killed}"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -208,25 +200,14 @@ def test_torchrun_restart_after_a_killed_worker_resumes_exactly(shards, tmp_path
             assert proc.poll() is None, finish(proc, 60)
             time.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
-        # torch 2.13's gloo can hang while a restarted group connects (both ranks asleep in
-        # ProcessGroupGloo's connectFullMesh; seen twice in about six runs here). That is a
-        # lost group, as a dead node would be: if the restarted group has not resumed within
-        # 90 s, lose its rank 1 too, and torchrun restarts the group again (--max-restarts=3).
-        for _ in range(2):
-            deadline = time.time() + 90
-            while time.time() < deadline and proc.poll() is None and not resumed_in(killed):
-                time.sleep(0.5)
-            if proc.poll() is not None or resumed_in(killed):
-                break
-            os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
-        out, err = finish(proc, 600)
+        out, err = finish(proc, 300)
         assert proc.returncode == 0, out[-3000:] + err[-3000:]
     finally:  # never leave workers behind
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
     resumed = [r for r in read_log(killed) if r.get("event") == "resumed"]
-    assert resumed and all(r["restart"] >= 1 and r["step"] % 3 == 0 for r in resumed)
+    assert len(resumed) == 1 and resumed[0]["restart"] == 1 and resumed[0]["step"] % 3 == 0
     at, restart, lost = resumed[0]["step"], resumed[0]["restart"], resumed[0]["lost_steps"]
     assert at >= 3 and f"torchrun restart {restart}: resumed from step {at}; lost {lost} step(s)" in out
     a, b = step_losses(straight), step_losses(killed)
