@@ -71,7 +71,7 @@ def paired_model_class(seed):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    tc, _ = train.parse_args(argv)  # the seed train.py will use (its default if not given)
+    tc = train.parse_args(argv)[0]  # the seed train.py will use (its default if not given)
     train.Model = paired_model_class(tc.seed)  # train.py builds its model through this name
     return train.main(argv)
 

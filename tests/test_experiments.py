@@ -101,6 +101,14 @@ def test_byte_shards(tmp_path):
     assert counts == {"val": 5, "train": len(train)}
 
 
+def test_paired_runs_train_py(tmp_path, capsys):
+    """paired.py drives train.py's own parse_args and main: a dry run of it plans the run,
+    through the paired Model (the plan counts its parameters)."""
+    assert paired.main(["--dry_run=True", "--attn=asga", "--model=tiny", f"--data_dir={tmp_path}",
+                        f"--out_dir={tmp_path / 'run'}"]) is None
+    assert "model       tiny" in capsys.readouterr().out
+
+
 def test_paired_statistics_and_verdict():
     mean, sd, hw = sweep.paired([0.10, 0.12, 0.14])
     assert mean == pytest.approx(0.12) and sd == pytest.approx(0.02)
