@@ -20,6 +20,7 @@ so schedulers see an interrupted run (torchrun then reports its own SignalExcept
 second Ctrl-C on a single process abandons the step at once without a checkpoint.
 """
 import ctypes
+import gc
 import hashlib
 import json
 import math
@@ -752,6 +753,11 @@ def main(argv=None):
         dist.all_gather_object(hashes, param_hash(raw_model))
     runlog.write({"event": "end", "step": step, "param_sha256_per_rank": hashes, "steps_to_target": target_step})
     if ddp:
+        # DDP's reducer holds gloo work objects; freed only by the garbage collector at
+        # interpreter exit, they aborted the process there ("terminate called without an
+        # active exception", seen in torchrun tests). Free them now, then close the group.
+        del model, eval_model
+        gc.collect()
         dist.destroy_process_group()
     if len(set(hashes)) != 1:
         fail(f"ranks ended with different weights: {hashes}", code=1)
