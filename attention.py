@@ -83,9 +83,7 @@ def apply_rope(x_BHTD, cos, sin):
 
 # ---------------------------------------------------------------------------- core operations
 
-def expand_kv(k_BHSD, n_head):
-    """Grouped-query attention: repeat each key/value head for the query heads that share it."""
-    return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
+expand_kv = kernels.expand_kv  # grouped-query attention: repeat each key/value head for its query heads
 
 
 def distances(T, S, q_start, k_start, device):

@@ -62,7 +62,8 @@ Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention comb
 
 
 def expand_kv(k_BHSD, n_head):
-    """Grouped-query attention for the blockwise path: repeat each key/value head."""
+    """Grouped-query attention: repeat each key/value head for the query heads that share it
+    (attention.py uses this one too; the FlexAttention path uses enable_gqa instead)."""
     return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 

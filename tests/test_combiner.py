@@ -7,13 +7,12 @@ import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention
 import kernels
 from attention import CombinerAttention, combiner_summaries, to_blocks
 from model import PRESETS, Model, ModelConfig
-from test_kernels import run  # module.attend with cfg.kernel switched
+from test_kernels import LargestTensor, run  # run: module.attend with cfg.kernel switched
 
 S = 4  # block size of the small cases
 LENGTHS = (1, 7, S - 1, S, S + 1, 3 * S + 5)
@@ -322,21 +321,6 @@ def test_flex_gradients_equal_reference_cuda(T):
 
 
 # ---------------------------------------------------------------------------- memory shape
-
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
 
 def test_fused_path_makes_no_T_by_T_tensor():
     """Structural, not a timing: at T = 2048, s = 64 (one head), forward and backward of the

@@ -333,7 +333,7 @@ class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
+        for t in torch.utils._pytree.tree_leaves(out):  # nested outputs too
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
