@@ -3,10 +3,10 @@ difference is known to exist, run by run, resumable, and RESULTS.md written from
 
     python experiments/sweep.py --text_source=TRAIN.jsonl --text_val_source=VAL.jsonl
     python experiments/sweep.py --plan            # the runs, which are done, the time left
-    python experiments/sweep.py --only=recall     # one part: recall | window | text
+    python experiments/sweep.py --only=recall     # one part: recall | window | text | cost
     python experiments/sweep.py --results_only    # rewrite RESULTS.md (and figures) from the logs
 
-Three parts, each a list of train.py runs (through experiments/paired.py, so that at one seed
+Four parts, each a list of train.py runs (through experiments/paired.py, so that at one seed
 every variant starts from `full`'s values of the parameters they share, and data.py's loader
 gives every variant the same batches):
 
@@ -17,6 +17,8 @@ gives every variant the same batches):
    how much context the small model uses, so which differences this scale can resolve.
 3. text: every configuration in TEXT_CONFIGS (the papers' tables, both dsa configurations,
    the new flags), paired seeds; each reported as its paired difference from `full`.
+4. cost: every text configuration for COST_STEPS steps, back to back, for the tok/s and memory
+   columns (run it alone: its numbers are only comparable when nothing else competes).
 
 Text runs read byte-level shards (experiments/text_data.py; vocabulary 256, so no 50k head)
 made from --text_source / --text_val_source on first use. Run folders under --out_dir
@@ -99,6 +101,12 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
 # (flags not in this checkout) count as `full`. Under load 7-14 (four other jobs) the same
 # steps took 3-6x longer (text at 2048 bytes/step: full 1.44, local 1.54, dsa 1.31, asga 5.22,
 # caa 1.78 s; recall: full 1.03, dsa 0.88, asga 1.39, caa 0.87 s).
+# Cost: every text configuration timed for COST_STEPS steps (seed 0, one thread), all back to
+# back in one sitting (`--only=cost`, on an otherwise quiet machine), so the tok/s and memory
+# columns compare runs measured side by side. The sweep's own runs ran two at a time beside
+# other work, so their tok/s says more about the machine's load than about the variant.
+COST_STEPS = 40
+
 STEP_SECONDS = {
     "text": {"full": 0.151, "local": 0.130, "dsa": 0.169, "asga": 0.928, "caa": 0.197},
     "recall": {"full": 0.204, "local": 0.158, "dsa": 0.242, "asga": 0.162, "caa": 0.154},
@@ -248,6 +256,11 @@ def jobs(args):
             o = out / "text" / f"{name}_s{seed}"
             found.append(("text", f"text {name} seed {seed}", o, name, attn, flags,
                           lambda c=text_command(attn, flags, seed, o, args.data_dir, kernel), o=o: train(c, o)))
+    for name, attn, flags in TEXT_CONFIGS:
+        o = out / "cost" / name
+        cmd = text_command(attn, flags, 0, o, args.data_dir, kernel, max_steps=COST_STEPS,
+                           eval_every=COST_STEPS, ckpt_every=COST_STEPS)
+        found.append(("cost", f"cost {name}", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
     return found
 
 
@@ -295,7 +308,7 @@ def plan(args):
     total = 0.0
     for part, label, run_dir, name, attn, flags, _ in jobs(args):
         why = unavailable(attn, flags)
-        steps = recall.TRAIN["max_steps"] if part == "recall" else TEXT["max_steps"]
+        steps = {"recall": recall.TRAIN["max_steps"], "cost": COST_STEPS}.get(part, TEXT["max_steps"])
         table = STEP_SECONDS["recall" if part == "recall" else "text"]
         sec = table.get(attn, table["full"])
         est = None if sec is None else sec * steps
@@ -377,22 +390,29 @@ def verdict(mean, half_width, paper_delta):
     return "same sign" if (mean > 0) == (paper_delta > 0) else "opposite sign"
 
 
+def cost_of(out, name):
+    """read_log of the configuration's cost run (see COST_STEPS), None before it has run."""
+    run = Path(out, "cost", name)
+    return read_log(run) if recall.run_finished(run) else None
+
+
 def config_stats(out, name, full_runs):
-    """Per-configuration numbers: seeds, losses, paired deltas from `full`, speed, memory."""
+    """Per-configuration numbers: seeds, losses, paired deltas from `full`; speed and memory
+    from the cost runs (measured side by side), None where either run is missing."""
     runs = text_runs(out, name)
     if not runs:
         return None
     seeds = sorted(runs)
     deltas = [runs[s]["final_val"] - full_runs[s]["final_val"] for s in seeds if s in full_runs]
     mean, sd, hw = paired(deltas) if name != "full" else (None, None, None)
-    full_tok = statistics.fmean([full_runs[s]["tok_s"] for s in full_runs]) if full_runs else None
-    full_mem = statistics.fmean([full_runs[s]["mem_gb"] for s in full_runs]) if full_runs else None
-    tok = statistics.fmean([runs[s]["tok_s"] for s in seeds])
-    mem = statistics.fmean([runs[s]["mem_gb"] for s in seeds])
+    cost, full_cost = cost_of(out, name), cost_of(out, "full")
+    tok, mem = (cost["tok_s"], cost["mem_gb"]) if cost else (None, None)
+    full_tok, full_mem = (full_cost["tok_s"], full_cost["mem_gb"]) if full_cost else (None, None)
     return {"seeds": seeds, "vals": [runs[s]["final_val"] for s in seeds],
             "val": statistics.fmean([runs[s]["final_val"] for s in seeds]),
             "deltas": deltas, "delta": mean, "sd": sd, "hw": hw, "tok_s": tok, "mem_gb": mem,
-            "tok_rel": tok / full_tok if full_tok else None, "mem_rel": mem / full_mem if full_mem else None,
+            "tok_rel": tok / full_tok if tok and full_tok else None,
+            "mem_rel": mem / full_mem if mem and full_mem else None,
             "runs": runs, "command": command_of(out, name)}
 
 
@@ -413,6 +433,11 @@ PENDING = "pending: run `python experiments/sweep.py`"
 
 def _f(x, spec, none="–"):
     return none if x is None else format(x, spec)
+
+
+def _cost(rel, value, spec, unit):
+    """'1.23x (value unit)', or – before the cost run."""
+    return "–" if rel is None else f"{rel:.2f}x ({value:{spec}}{unit})"
 
 
 def _delta(s):
@@ -533,11 +558,13 @@ def window_section(windows, full, link):
 
 def text_section(stats, link):
     L = ["## Every configuration: paired difference from `full`", "",
-         "Final validation loss (nats per byte); Δ per seed and mean ± 95% half-width; tok/s "
-         "(median per-step throughput, step 1 left out) and peak memory (train.py's mem_gb: CPU "
-         "peak RSS) relative to `full`, seed means. The runs ran at different times on a shared "
-         "machine, so tok/s is a rough cost, not a speed comparison (kernels.py's benchmark is "
-         "that).", "",
+         "Final validation loss (nats per byte); Δ per seed and mean ± 95% half-width. Cost: tok/s "
+         f"(median per-step throughput, step 1 left out) and peak memory (train.py's mem_gb: CPU "
+         f"peak RSS of the whole process) relative to `full`, from a {COST_STEPS}-step run of each "
+         f"configuration at seed 0, all run back to back on one thread by `python "
+         f"experiments/sweep.py --only=cost` (a cost still to run shows –). This is the cost of the "
+         f"CPU kernels (kernels.BLOCKWISE) at T = {TEXT['seq_len']}, not GPU speed: "
+         f"`benchmarks/attention.py` is that.", "",
          "| config | flags | seeds | val loss | Δ per seed | Δ vs full | tok/s vs full | peak mem vs full |",
          "|---|---|---|---|---|---|---|---|"]
     for name, attn, flags in TEXT_CONFIGS:
@@ -549,8 +576,8 @@ def text_section(stats, link):
             continue
         per = ", ".join(f"{d:+.4f}" for d in s["deltas"]) if name != "full" else "–"
         L.append(f"| {name} | `{fl}` | {len(s['seeds'])} | {s['val']:.4f} | {per} | "
-                 f"{'baseline' if name == 'full' else _delta(s)} | {_f(s['tok_rel'], '.2f')}x ({_f(s['tok_s'], '.0f')}) | "
-                 f"{_f(s['mem_rel'], '.2f')}x ({_f(s['mem_gb'], '.2f')} GB) |")
+                 f"{'baseline' if name == 'full' else _delta(s)} | {_cost(s['tok_rel'], s['tok_s'], '.0f', '')} | "
+                 f"{_cost(s['mem_rel'], s['mem_gb'], '.2f', ' GB')} |")
     commands = [(n, s["command"]) for n, s in stats.items() if s and s["command"]]
     if commands:
         L += ["", f"![validation loss, mean and range over seeds]({link(ROOT / 'assets' / 'study_loss.png')})",
@@ -579,7 +606,8 @@ def paper_section(stats):
         v = "–" if cfg is None or base else verdict(s["delta"] if s else None, s["hw"] if s else None, pdelta)
         L.append(f"| {paper} | {row} | {loss_text} | {'–' if base else f'{pdelta:+.4f}'} | {mem or '–'} | "
                  f"{speed or '–'} | {cfg or '–'} | {ours} | "
-                 f"{_f(s['tok_rel'], '.2f') + 'x' if s else '–'} | {_f(s['mem_rel'], '.2f') + 'x' if s else '–'} | {v} |")
+                 f"{_f(s and s['tok_rel'], '.2f')}{'x' if s and s['tok_rel'] else ''} | "
+                 f"{_f(s and s['mem_rel'], '.2f')}{'x' if s and s['mem_rel'] else ''} | {v} |")
     notes = [n.format(share_study=f"{windowed_share(t['seq_len'], t['dsa_threshold']):.0%}",
                       seq_len=t["seq_len"], threshold=t["dsa_threshold"]) for n in PAPER_NOTES]
     L += [""] + [f"- {n}" for n in notes] + ["", "Papers: " + "; ".join(PAPERS.values()) + "."]
@@ -655,7 +683,8 @@ def main(argv=None):
     p.add_argument("--out_dir", default=str(ROOT / "experiments" / "results"))
     p.add_argument("--results_md", default=str(ROOT / "RESULTS.md"))
     p.add_argument("--kernel", default=None, help="ref | fused (default: fused if kernels.py is committed)")
-    p.add_argument("--only", choices=("recall", "window", "text"), default=None)
+    p.add_argument("--only", choices=("recall", "window", "text", "cost"), default=None,
+                   help="one part; run `cost` alone on an otherwise quiet machine")
     p.add_argument("--configs", default=None, help="only these configuration names (comma-separated; "
                    "window runs are named local_wW)")
     p.add_argument("--plan", action="store_true", help="list the runs and the estimated time left")

@@ -120,8 +120,8 @@ def test_paired_statistics_and_verdict():
     assert sweep.windowed_share(512, 128) == 0.75 and sweep.windowed_share(1024, 512) == 0.5
 
 
-def _fake_run(root, name, seed, vals, tok_s, mem, finished=True):
-    run = root / "text" / f"{name}_s{seed}"
+def _fake_run(root, name, seed, vals, tok_s, mem, finished=True, part="text"):
+    run = root / part / (f"{name}_s{seed}" if part == "text" else name)
     run.mkdir(parents=True)
     steps = [{"event": "start", "step": 0}, {"step": 0, "val": 5.5}]
     for i, (v, t, m) in enumerate(zip(vals, tok_s, mem), 1):
@@ -135,10 +135,14 @@ def _fake_run(root, name, seed, vals, tok_s, mem, finished=True):
 def test_results_md_numbers_come_from_the_logs(tmp_path):
     full = {0: 2.50, 1: 2.60, 2: 2.40}
     dsa = {0: 2.55, 1: 2.66, 2: 2.44}  # paired deltas +0.05, +0.06, +0.04
-    for s in full:
-        _fake_run(tmp_path, "full", s, [3.0, full[s]], [1000, 1000], [1.0, 1.0])
-        _fake_run(tmp_path, "dsa", s, [3.0, dsa[s]], [500, 500], [2.0, 2.0])
+    for s in full:  # the sweep's runs' own tok/s and memory are not the cost columns' ...
+        _fake_run(tmp_path, "full", s, [3.0, full[s]], [300, 300], [9.0, 9.0])
+        _fake_run(tmp_path, "dsa", s, [3.0, dsa[s]], [900, 900], [9.0, 9.0])
         _fake_run(tmp_path, "local_w16", s, [3.0, full[s] + 0.2], [2000, 2000], [1.0, 1.0])
+    # ... the cost runs' are (measured back to back); caa has a cost run but no text runs
+    _fake_run(tmp_path, "full", 0, [3.0], [1000, 1000], [1.0, 1.0], part="cost")
+    _fake_run(tmp_path, "dsa", 0, [3.0], [500, 500], [2.0, 2.0], part="cost")
+    _fake_run(tmp_path, "local", 0, [3.0], [700, 700], [1.0, 1.0], part="cost", finished=False)
     _fake_run(tmp_path, "asga", 0, [3.0, 2.0], [100, 100], [1.0, 1.0], finished=False)
     md_path = tmp_path / "RESULTS.md"
     sweep.write_results(tmp_path, md_path)
@@ -154,6 +158,7 @@ def test_results_md_numbers_come_from_the_logs(tmp_path):
     assert dsa_row[4] == "+0.0500, +0.0600, +0.0400"
     assert dsa_row[5] == f"+0.0500 ± {hw:.4f}"
     assert dsa_row[6] == "0.50x (500)" and dsa_row[7] == "2.00x (2.00 GB)"
+    assert rows["full"][-1][6] == "1.00x (1000)"
     # the papers' table: dsa (adaptive) is 002's 4.904 (Δ -0.0226): ours is worse -> opposite sign
     paper = [l for l in md.splitlines() if l.startswith("| 002 | Full Model")][0]
     assert "+0.0500" in paper and paper.rstrip(" |").endswith("opposite sign") and "22 GB" in paper
@@ -202,7 +207,8 @@ def test_sweep_runs_every_configuration_with_paired_seeds(tmp_path):
     args = argparse.Namespace(out_dir=str(tmp_path), kernel="ref", recall_data_dir="r", data_dir="d")
     runs = [(part, Path(run).name) for part, _, run, *_ in sweep.jobs(args)]
     assert {n for p, n in runs if p == "recall"} == {f"{c[0]}_s0" for c in sweep.RECALL_CONFIGS}
-    text = {n for p, n in runs if p != "recall"}
+    text = {n for p, n in runs if p in ("window", "text")}
+    assert {n for p, n in runs if p == "cost"} == {c[0] for c in sweep.TEXT_CONFIGS}  # seed 0, back to back
     for name, *_ in sweep.TEXT_CONFIGS:
         assert {f"{name}_s{s}" for s in sweep.SEEDS} <= text
     for w in sweep.WINDOWS:
