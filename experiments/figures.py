@@ -3,13 +3,18 @@
     assets/study_loss.png     validation loss per configuration (seed mean, band = min..max over seeds)
                               and its paired difference from `full` at each evaluation
     assets/study_window.png   `local`'s paired Δ from `full` against the window W (95% intervals)
-    assets/study_recall.png   recall accuracy by lag per configuration, W and L*W marked, chance line
+    assets/study_recall.png   recall accuracy by lag, a panel per family beside full and local, chance line
 
 `python experiments/sweep.py --results_only` redraws them.
 """
 from pathlib import Path
 
 import recall
+
+
+# The columns of every figure: a family of configurations, by name prefix.
+FAMILIES = [("full / local", ("local",)), ("dsa", ("dsa",)), ("asga", ("asga",)),
+            ("caa / combiner", ("caa", "combiner"))]
 
 
 def _plt():
@@ -25,8 +30,7 @@ def loss_curves(stats, configs, path):
     mean and min..max band. Bottom: the paired difference from `full` at the same seed and
     step, mean and band (what the tables report, at every evaluation)."""
     plt = _plt()
-    families = [("full / local", ("local",)), ("dsa", ("dsa",)), ("asga", ("asga",)),
-                ("caa / combiner", ("caa", "combiner"))]
+    families = FAMILIES
     full = stats.get("full")
     fig, axes = plt.subplots(2, len(families), figsize=(4.2 * len(families), 6.4), sharey="row", sharex=True)
     for col, (title, prefixes) in enumerate(families):
@@ -86,22 +90,31 @@ def window_figure(windows, path):
 
 
 def recall_figure(rec, path):
+    """One panel per family (as in the loss figure), each with `full` (black) and `local`
+    (gray) as the two positive controls, W and L*W marked, and the chance line."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
     W, L = recall.TRAIN["window"], recall.TRAIN["n_layer"]
-    for name, r in rec.items():
-        bins = r["by_lag"]
-        ax.plot([(lo + hi) / 2 for lo, hi, _, _ in bins], [acc for *_, acc in bins], marker=".",
-                label=name, lw=2 if name in ("full", "local") else 1)
-    ax.axvline(W, color="gray", ls="--", lw=1)
-    ax.axvline(L * W, color="gray", ls=":", lw=1)
-    ax.axhline(1 / recall.TASK["n_values"], color="red", lw=1, label="chance")
-    ax.text(W, 1.02, " W", fontsize=8)
-    ax.text(L * W, 1.02, f" {L}W", fontsize=8)
-    ax.set_ylim(0, 1.08)
-    ax.set_xlabel("lag (positions back to the answer)")
-    ax.set_ylabel("recall accuracy")
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(1, len(FAMILIES), figsize=(4.2 * len(FAMILIES), 3.6), sharey=True)
+    for ax, (title, prefixes) in zip(axes, FAMILIES):
+        for name, r in rec.items():
+            control = name in ("full", "local")
+            if not (control or name.startswith(prefixes)):
+                continue
+            bins = r["by_lag"]
+            style = dict(color="black", lw=2) if name == "full" else dict(color="gray", lw=2) if name == "local" \
+                else dict(lw=1.2)
+            ax.plot([(lo + hi) / 2 for lo, hi, _, _ in bins], [acc for *_, acc in bins], marker=".",
+                    label=f"{name} ({r['overall']:.2f})", **style)
+        ax.axvline(W, color="gray", ls="--", lw=1)
+        ax.axvline(L * W, color="gray", ls=":", lw=1)
+        ax.axhline(1 / recall.TASK["n_values"], color="red", lw=1, label="chance")
+        ax.text(W, 1.02, " W", fontsize=8)
+        ax.text(L * W, 1.02, f" {L}W", fontsize=8)
+        ax.set_ylim(0, 1.08)
+        ax.set_title(title)
+        ax.set_xlabel("lag (positions back to the answer)")
+        ax.legend(fontsize=7, loc="center right")
+    axes[0].set_ylabel("recall accuracy (overall in the legend)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
