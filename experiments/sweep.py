@@ -28,13 +28,11 @@ log ends with train.py's `end` record is skipped, one with a checkpoint is resum
 sweep can be finished over several sittings; commit the logs (not ckpt.pt) as you go.
 Figures go to assets/study_*.png.
 
-Budget: 15 recall runs of 1500 steps, 24 window runs and 33 more text runs of 500 steps
-(11 more configurations x 3 seeds). `--plan` adds up STEP_SECONDS (one thread, measured while
-the shared machine was nearly quiet): 3.4 h of one core for everything this checkout can run,
-4.0 h with `combiner` and `asga_prob` counted at `full`'s and asga's step time (recall 1.2 h,
-window 0.4 h, text 2.4 h, of which asga's pair MLP over every (query, key) pair is 1.9 h,
-counting asga_fixed and asga_off, which skip that MLP, at asga's cost: an overestimate). Two
-sweeps given disjoint --configs (never the same run twice at once) use both cores: about 2 h.
+Budget: 16 recall runs of 1500 steps, 24 window runs and 36 more text runs of 500 steps
+(12 more configurations x 3 seeds), and 14 cost runs of COST_STEPS steps. `--plan` adds up
+STEP_SECONDS (one thread) for the runs left. Measured: about 2 h of the 2-core machine for the
+whole study, as two sweeps given disjoint --configs (never the same run twice at once), e.g.
+the last 39 runs in 46 min; then `--only=cost` alone, 2.6 min.
 """
 import argparse
 import json
@@ -95,18 +93,22 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
             seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
             max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
 
-# Seconds per optimizer step with OMP_NUM_THREADS=1, measured at 06:15 UTC while the shared
-# machine was nearly quiet (load average 1.8-2.8): `python experiments/calibrate.py --steps=15
-# --part=text` and `--part=recall --attn=full,local,dsa,asga,caa`. Variants without a number
-# (flags not in this checkout) count as `full`. Under load 7-14 (four other jobs) the same
-# steps took 3-6x longer (text at 2048 bytes/step: full 1.44, local 1.54, dsa 1.31, asga 5.22,
-# caa 1.78 s; recall: full 1.03, dsa 0.88, asga 1.39, caa 0.87 s).
 # Cost: every text configuration timed for COST_STEPS steps (seed 0, one thread), all back to
 # back in one sitting (`--only=cost`, on an otherwise quiet machine), so the tok/s and memory
 # columns compare runs measured side by side. The sweep's own runs ran two at a time beside
 # other work, so their tok/s says more about the machine's load than about the variant.
 COST_STEPS = 40
 
+# Seconds per optimizer step with OMP_NUM_THREADS=1, measured at 06:15 UTC while the shared
+# machine was nearly quiet (load average 1.8-2.8): `python experiments/calibrate.py --steps=15
+# --part=text` and `--part=recall --attn=full,local,dsa,asga,caa`. Variants without a number
+# (flags not in this checkout) count as `full`. Under load 7-14 (four other jobs) the same
+# steps took 3-6x longer (text at 2048 bytes/step: full 1.44, local 1.54, dsa 1.31, asga 5.22,
+# caa 1.78 s; recall: full 1.03, dsa 0.88, asga 1.39, caa 0.87 s). The last 39 runs (2026-11-22,
+# two sweeps side by side, one thread each) took, per run with evaluations and start-up: text
+# asga/asga_noscale/asga_prob 160-185 s (0.35 s/step: these estimates are 2.7x too high), caa
+# 90-104 s, dsa/asga_off/asga_fixed/combiner 36-53 s; recall asga 430-498 s (0.3 s/step: 2x too
+# low), caa and asga_off 158-192 s. The whole study is about 2 h of the 2-core machine.
 STEP_SECONDS = {
     "text": {"full": 0.151, "local": 0.130, "dsa": 0.169, "asga": 0.928, "caa": 0.197},
     "recall": {"full": 0.204, "local": 0.158, "dsa": 0.242, "asga": 0.162, "caa": 0.154},
