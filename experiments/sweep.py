@@ -80,9 +80,10 @@ RECALL_CONFIGS = TEXT_CONFIGS + [
     ("caa_local", "caa", {"caa_gate": "local"}),
     ("caa_global", "caa", {"caa_gate": "global"}),
 ]
-# The issue's windows 16..256, plus 4 and 8: at this budget a 16-byte window already
+# The issue's windows 16..256, plus 1, 2, 4 and 8: at this budget a 16-byte window already
 # matches `full` (seed 0: 2.294 vs 2.316), so the smaller ones find where a difference appears.
-WINDOWS = (4, 8, 16, 32, 64, 128, 256)
+# A window W sees keys i-W..i, so with 2 layers a prediction can draw on 2W+1 bytes.
+WINDOWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Text runs: bytes, sequences of 512, W = 64 for every windowed variant (the papers' geometry
 # W=256 / dsa threshold 512 = 2W / caa width 256..512 = W..2W, scaled by 1/4: one byte is
@@ -92,6 +93,12 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
             mlp_hidden=384, window=64, dsa_threshold=128, caa_window_max=128,
             seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
             max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
+
+# A long pair beside the window control: `full` and `local` at W = LONG_WINDOW, seed 0, for
+# LONG_STEPS steps (40x the study's budget, most of one epoch of the 24 MB train split): how
+# much training the loss needs before it shows any use of context beyond a few bytes.
+LONG_STEPS = 20000
+LONG_WINDOW = 4
 
 # Cost: every text configuration timed for COST_STEPS steps (seed 0, one thread), all back to
 # back in one sitting (`--only=cost`, on an otherwise quiet machine), so the tok/s and memory
@@ -258,6 +265,11 @@ def jobs(args):
             o = out / "text" / f"{name}_s{seed}"
             found.append(("text", f"text {name} seed {seed}", o, name, attn, flags,
                           lambda c=text_command(attn, flags, seed, o, args.data_dir, kernel), o=o: train(c, o)))
+    for name, attn, flags in (("full", "full", {}), (window_run_name(LONG_WINDOW), "local", {"window": LONG_WINDOW})):
+        o = out / "long" / f"{name}_s0"
+        cmd = text_command(attn, flags, 0, o, args.data_dir, kernel, max_steps=LONG_STEPS, eval_every=1000,
+                           ckpt_every=1000)
+        found.append(("long", f"long {name} seed 0", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
     for name, attn, flags in TEXT_CONFIGS:
         o = out / "cost" / name
         cmd = text_command(attn, flags, 0, o, args.data_dir, kernel, max_steps=COST_STEPS,
@@ -310,7 +322,7 @@ def plan(args):
     total = 0.0
     for part, label, run_dir, name, attn, flags, _ in jobs(args):
         why = unavailable(attn, flags)
-        steps = {"recall": recall.TRAIN["max_steps"], "cost": COST_STEPS}.get(part, TEXT["max_steps"])
+        steps = {"recall": recall.TRAIN["max_steps"], "cost": COST_STEPS, "long": LONG_STEPS}.get(part, TEXT["max_steps"])
         table = STEP_SECONDS["recall" if part == "recall" else "text"]
         sec = table.get(attn, table["full"])
         est = None if sec is None else sec * steps
@@ -543,16 +555,18 @@ def recall_section(rec, out, md_path, link):
 
 def window_section(windows, full, link):
     L = ["## Positive control on text: validation loss against the window", "",
-         f"`local` with window W and `full`, same budget, paired seeds. Δ: `local` minus `full` at "
-         f"the same seed, mean ± 95% half-width.", "",
-         "| W | seeds | val loss (mean) | Δ vs full | resolved? |", "|---|---|---|---|---|"]
+         f"`local` with window W and `full`, same budget, paired seeds. Reach: the bytes a prediction "
+         f"can draw on through {TEXT['n_layer']} layers of windows (keys i-W..i in each). Δ: `local` minus "
+         f"`full` at the same seed, mean ± 95% half-width.", "",
+         "| W | reach (bytes) | seeds | val loss (mean) | Δ vs full | resolved? |", "|---|---|---|---|---|---|"]
     for w, s in list(windows.items()) + [("full", full)]:
+        far = f"{TEXT['seq_len']} (all)" if w == "full" else reach(w)
         if s is None:
-            L.append(f"| {w} | – | {PENDING} | – | – |")
+            L.append(f"| {w} | {far} | – | {PENDING} | – | – |")
             continue
         res = "–" if w == "full" else verdict(s["delta"], s["hw"], +1).replace("same sign", "yes: worse than full") \
             .replace("opposite sign", "yes: better than full")
-        L.append(f"| {w} | {len(s['seeds'])} | {s['val']:.4f} | {'baseline' if w == 'full' else _delta(s)} | {res} |")
+        L.append(f"| {w} | {far} | {len(s['seeds'])} | {s['val']:.4f} | {'baseline' if w == 'full' else _delta(s)} | {res} |")
     if any(windows.values()):
         L += ["", f"![validation loss against the window]({link(ROOT / 'assets' / 'study_window.png')})"]
     return L + [""]
@@ -616,6 +630,33 @@ def paper_section(stats):
     return L + [""]
 
 
+def reach(w):
+    """Bytes a prediction can draw on through TEXT's layers of windows W (keys i-W..i)."""
+    return TEXT["n_layer"] * w + 1
+
+
+def long_pair_sentence(f, l, where, w):
+    """What a longer `full` / `local`(w) pair at seed 0 shows: the Δ at four points and the
+    step from which `full` stays ahead (if it does)."""
+    at = lambda r, t: dict(r["evals"]).get(t)  # noqa: E731
+    marks = [t for t, _ in f["evals"] if t > 0 and at(l, t) is not None]
+    steps = marks[-1]
+    shown = [t for t in marks if t in {marks[round(i * (len(marks) - 1) / 4)] for i in range(1, 5)}]
+    deltas = {t: at(l, t) - at(f, t) for t in marks}
+    ahead = next((t for t in marks if all(deltas[u] > 0 for u in marks if u >= t)), None)
+    text = (f"A longer budget: with {steps} steps instead of {TEXT['max_steps']} ({steps * TEXT['total_batch_tokens']:,} "
+            f"bytes; seed 0; {where}) `local` at W = {w} minus `full` was "
+            + ", ".join(f"{deltas[t]:+.4f} at step {t}" for t in shown)
+            + f" (final {l['final_val']:.4f} vs {f['final_val']:.4f}): ")
+    if ahead is None:
+        return text + (f"`full` had not yet overtaken a {w}-byte window. Telling context lengths apart on text "
+                       f"needs a larger budget than this; the table of every configuration measures cost and "
+                       f"gross failures.")
+    return text + (f"`full` is ahead from step {ahead} on ({ahead * TEXT['total_batch_tokens']:,} bytes of "
+                   f"training), so only a budget of that order lets the loss show context beyond "
+                   f"{reach(w)} bytes (one seed: a sign, not an interval).")
+
+
 def scale_section(windows, rec, out):
     """The plain sentences on what this scale resolves, from the numbers."""
     L = ["## What this scale can and cannot resolve", ""]
@@ -644,26 +685,19 @@ def scale_section(windows, rec, out):
         L.append(sentence[0].upper() + sentence[1:])
         L.append("")
         L.append("So at this model size and budget the loss shows "
-                 + (f"the use of context up to about {max(worse)} bytes" if worse
-                    else f"no measurable use of context beyond {min(measured)} bytes")
+                 + (f"the use of more than {reach(max(worse))} bytes of context" if worse
+                    else f"no measurable use of context beyond {reach(min(measured))} bytes")
                  + ": any difference between variants that depends on tokens further back than that "
                    "(which is what the papers' windows of 256 tokens are about) cannot show in the loss "
                    "here, whatever it would do at the papers' scale. The recall probe is the test of what "
                    "a variant can reach; the loss table shows cost and gross failures.")
-    long_full, long_local = (Path(out, "calibration", n) for n in ("long_full_s0", "long_local_w4_s0"))
-    if recall.run_finished(long_full) and recall.run_finished(long_local):
-        f, l = read_log(long_full), read_log(long_local)
-        steps = f["evals"][-1][0]
-        at = lambda r, t: dict(r["evals"]).get(t)  # noqa: E731
-        marks = [t for t, _ in f["evals"] if t > 0 and at(l, t) is not None]
-        L += ["", f"A longer budget does not change this: with {steps} steps instead of "
-                  f"{TEXT['max_steps']} (seed 0; `experiments/results/calibration/`, run in a temporary "
-                  f"folder and its log copied there) `local` at W = 4 minus `full` was "
-                  + ", ".join(f"{at(l, t) - at(f, t):+.4f} at step {t}" for t in marks[1::2])
-                  + f" (final {l['final_val']:.4f} vs {f['final_val']:.4f}): `full` had not yet "
-                    f"overtaken a 4-byte window. Telling context lengths apart on text needs a "
-                    f"much larger budget than this CPU study has; the table of every configuration "
-                    f"measures cost and gross failures."]
+    for where, full_dir, local_dir in (
+            ("`experiments/results/calibration/`, run in a temporary folder and its log copied there",
+             Path(out, "calibration", "long_full_s0"), Path(out, "calibration", "long_local_w4_s0")),
+            ("`python experiments/sweep.py --only=long`", Path(out, "long", "full_s0"),
+             Path(out, "long", f"{window_run_name(LONG_WINDOW)}_s0"))):
+        if recall.run_finished(full_dir) and recall.run_finished(local_dir):
+            L += ["", long_pair_sentence(read_log(full_dir), read_log(local_dir), where, LONG_WINDOW)]
     full = rec.get("full")
     if full:
         L += ["", f"Recall: `full` scores {full['overall']:.3f} overall (the probe is "
@@ -685,7 +719,7 @@ def main(argv=None):
     p.add_argument("--out_dir", default=str(ROOT / "experiments" / "results"))
     p.add_argument("--results_md", default=str(ROOT / "RESULTS.md"))
     p.add_argument("--kernel", default=None, help="ref | fused (default: fused if kernels.py is committed)")
-    p.add_argument("--only", choices=("recall", "window", "text", "cost"), default=None,
+    p.add_argument("--only", choices=("recall", "window", "text", "long", "cost"), default=None,
                    help="one part; run `cost` alone on an otherwise quiet machine")
     p.add_argument("--configs", default=None, help="only these configuration names (comma-separated; "
                    "window runs are named local_wW)")

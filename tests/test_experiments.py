@@ -164,8 +164,8 @@ def test_results_md_numbers_come_from_the_logs(tmp_path):
     assert "+0.0500" in paper and paper.rstrip(" |").endswith("opposite sign") and "22 GB" in paper
     assert "4.6498" in md and "dsa_fixed" in md and "5.1300" in md and "0.012" in md and "66.6 GB" in md
     # window control: W=16 resolved (+0.2, no spread), others pending
-    w16 = [r for r in rows["16"] if len(r) == 5][0]
-    assert w16[3].startswith("+0.2000") and w16[4] == "yes: worse than full"
+    w16 = [r for r in rows["16"] if len(r) == 6][0]
+    assert w16[1] == "33" and w16[4].startswith("+0.2000") and w16[5] == "yes: worse than full"
     assert "`local` at W = 16 is measurably worse than `full`" in md
     # an unfinished run is pending, as are the configurations without runs
     asga = rows["asga"][-1]
@@ -215,3 +215,14 @@ def test_sweep_runs_every_configuration_with_paired_seeds(tmp_path):
         assert {f"{sweep.window_run_name(w)}_s{s}" for s in sweep.SEEDS} <= text
     assert len(runs) == len(set(runs))  # no run twice (local at the study's W is the window control's)
     assert runs[0] == ("recall", "full_s0") and runs[1] == ("recall", "local_s0")
+
+
+def test_long_pair_sentence_names_the_step_from_which_full_stays_ahead():
+    f = {"evals": [(0, 5.5), (1000, 2.5), (2000, 2.3), (3000, 2.1), (4000, 2.0)], "final_val": 2.0}
+    l = {"evals": [(0, 5.5), (1000, 2.4), (2000, 2.35), (3000, 2.05), (4000, 2.1)], "final_val": 2.1}
+    text = sweep.long_pair_sentence(f, l, "here", 4)
+    # local - full: -0.1, +0.05, -0.05, +0.1: full is ahead for good only from step 4000
+    assert "`full` is ahead from step 4000 on" in text and f"beyond {sweep.reach(4)} bytes" in text
+    assert "+0.1000 at step 4000" in text and "-0.0500 at step 3000" in text
+    l["evals"][-1] = (4000, 1.9)
+    assert "had not yet overtaken a 4-byte window" in sweep.long_pair_sentence(f, l, "here", 4)
