@@ -3,10 +3,10 @@ difference is known to exist, run by run, resumable, and RESULTS.md written from
 
     python experiments/sweep.py --text_source=TRAIN.jsonl --text_val_source=VAL.jsonl
     python experiments/sweep.py --plan            # the runs, which are done, the time left
-    python experiments/sweep.py --only=recall     # one part: recall | window | text | cost
+    python experiments/sweep.py --only=recall     # one part: recall | window | text | long | cost
     python experiments/sweep.py --results_only    # rewrite RESULTS.md (and figures) from the logs
 
-Four parts, each a list of train.py runs (through experiments/paired.py, so that at one seed
+Five parts, each a list of train.py runs (through experiments/paired.py, so that at one seed
 every variant starts from `full`'s values of the parameters they share, and data.py's loader
 gives every variant the same batches):
 
@@ -17,22 +17,26 @@ gives every variant the same batches):
    how much context the small model uses, so which differences this scale can resolve.
 3. text: every configuration in TEXT_CONFIGS (the papers' tables, both dsa configurations,
    the new flags), paired seeds; each reported as its paired difference from `full`.
-4. cost: every text configuration for COST_STEPS steps, back to back, for the tok/s and memory
+4. long: `full` and `local` at W = LONG_WINDOW for LONG_STEPS steps, seed 0: the budget at
+   which the loss starts to show context use beyond a few bytes.
+5. cost: every text configuration for COST_STEPS steps, back to back, for the tok/s and memory
    columns (run it alone: its numbers are only comparable when nothing else competes).
 
 Text runs read byte-level shards (experiments/text_data.py; vocabulary 256, so no 50k head)
 made from --text_source / --text_val_source on first use. Run folders under --out_dir
 (experiments/results): recall/NAME_sSEED, text/NAME_sSEED (window runs are text/local_wW_sSEED),
-each train.py's (config.json, log.jsonl, command.txt; recall adds recall.json). A run whose
-log ends with train.py's `end` record is skipped, one with a checkpoint is resumed, so the
-sweep can be finished over several sittings; commit the logs (not ckpt.pt) as you go.
+long/NAME_s0 and cost/NAME, each train.py's (config.json, log.jsonl, command.txt; recall adds
+recall.json). A run whose log ends with train.py's `end` record is skipped, one with a
+checkpoint is resumed, so the sweep can be finished over several sittings; commit the logs
+(not ckpt.pt) as you go.
 Figures go to assets/study_*.png.
 
-Budget: 16 recall runs of 1500 steps, 24 window runs and 36 more text runs of 500 steps
-(12 more configurations x 3 seeds), and 14 cost runs of COST_STEPS steps. `--plan` adds up
-STEP_SECONDS (one thread) for the runs left. Measured: about 2 h of the 2-core machine for the
-whole study, as two sweeps given disjoint --configs (never the same run twice at once), e.g.
-the last 39 runs in 46 min; then `--only=cost` alone, 2.6 min.
+Budget: 16 recall runs of 1500 steps, 30 window runs and 36 more text runs of 500 steps
+(12 more configurations x 3 seeds), 2 long runs of LONG_STEPS steps and 14 cost runs of
+COST_STEPS steps. `--plan` adds up STEP_SECONDS (one thread) for the runs left. Measured: about
+2.5 h of the 2-core machine for the whole study, as two sweeps given disjoint --configs (never
+the same run twice at once), e.g. 39 of the runs in 46 min and the long pair in ~25 min; then
+`--only=cost` alone, 2.6 min.
 """
 import argparse
 import json
@@ -96,9 +100,12 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
 
 # A long pair beside the window control: `full` and `local` at W = LONG_WINDOW, seed 0, for
 # LONG_STEPS steps (40x the study's budget, most of one epoch of the 24 MB train split): how
-# much training the loss needs before it shows any use of context beyond a few bytes.
+# much training the loss needs before it shows any use of context beyond a few bytes. Scored on
+# up to LONG_VAL_TOKENS val bytes (the whole 0.5 MB val shard here): at the study's 16,384 the
+# evaluation noise (~0.02) is as large as the difference being looked for.
 LONG_STEPS = 20000
 LONG_WINDOW = 4
+LONG_VAL_TOKENS = 2 ** 19
 
 # Cost: every text configuration timed for COST_STEPS steps (seed 0, one thread), all back to
 # back in one sitting (`--only=cost`, on an otherwise quiet machine), so the tok/s and memory
@@ -268,7 +275,7 @@ def jobs(args):
     for name, attn, flags in (("full", "full", {}), (window_run_name(LONG_WINDOW), "local", {"window": LONG_WINDOW})):
         o = out / "long" / f"{name}_s0"
         cmd = text_command(attn, flags, 0, o, args.data_dir, kernel, max_steps=LONG_STEPS, eval_every=1000,
-                           ckpt_every=1000)
+                           ckpt_every=1000, val_tokens=LONG_VAL_TOKENS)
         found.append(("long", f"long {name} seed 0", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
     for name, attn, flags in TEXT_CONFIGS:
         o = out / "cost" / name
@@ -635,7 +642,7 @@ def reach(w):
     return TEXT["n_layer"] * w + 1
 
 
-def long_pair_sentence(f, l, where, w):
+def long_pair_sentence(f, l, where, w, val_tokens):
     """What a longer `full` / `local`(w) pair at seed 0 shows: the Δ at four points and the
     step from which `full` stays ahead (if it does)."""
     at = lambda r, t: dict(r["evals"]).get(t)  # noqa: E731
@@ -645,7 +652,7 @@ def long_pair_sentence(f, l, where, w):
     deltas = {t: at(l, t) - at(f, t) for t in marks}
     ahead = next((t for t in marks if all(deltas[u] > 0 for u in marks if u >= t)), None)
     text = (f"A longer budget: with {steps} steps instead of {TEXT['max_steps']} ({steps * TEXT['total_batch_tokens']:,} "
-            f"bytes; seed 0; {where}) `local` at W = {w} minus `full` was "
+            f"bytes; seed 0; validation on up to {val_tokens:,} bytes; {where}) `local` at W = {w} minus `full` was "
             + ", ".join(f"{deltas[t]:+.4f} at step {t}" for t in shown)
             + f" (final {l['final_val']:.4f} vs {f['final_val']:.4f}): ")
     if ahead is None:
@@ -691,13 +698,13 @@ def scale_section(windows, rec, out):
                    "(which is what the papers' windows of 256 tokens are about) cannot show in the loss "
                    "here, whatever it would do at the papers' scale. The recall probe is the test of what "
                    "a variant can reach; the loss table shows cost and gross failures.")
-    for where, full_dir, local_dir in (
+    for where, full_dir, local_dir, val_tokens in (
             ("`experiments/results/calibration/`, run in a temporary folder and its log copied there",
-             Path(out, "calibration", "long_full_s0"), Path(out, "calibration", "long_local_w4_s0")),
+             Path(out, "calibration", "long_full_s0"), Path(out, "calibration", "long_local_w4_s0"), TEXT["val_tokens"]),
             ("`python experiments/sweep.py --only=long`", Path(out, "long", "full_s0"),
-             Path(out, "long", f"{window_run_name(LONG_WINDOW)}_s0"))):
+             Path(out, "long", f"{window_run_name(LONG_WINDOW)}_s0"), LONG_VAL_TOKENS)):
         if recall.run_finished(full_dir) and recall.run_finished(local_dir):
-            L += ["", long_pair_sentence(read_log(full_dir), read_log(local_dir), where, LONG_WINDOW)]
+            L += ["", long_pair_sentence(read_log(full_dir), read_log(local_dir), where, 4, val_tokens)]
     full = rec.get("full")
     if full:
         L += ["", f"Recall: `full` scores {full['overall']:.3f} overall (the probe is "

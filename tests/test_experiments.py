@@ -220,9 +220,9 @@ def test_sweep_runs_every_configuration_with_paired_seeds(tmp_path):
 def test_long_pair_sentence_names_the_step_from_which_full_stays_ahead():
     f = {"evals": [(0, 5.5), (1000, 2.5), (2000, 2.3), (3000, 2.1), (4000, 2.0)], "final_val": 2.0}
     l = {"evals": [(0, 5.5), (1000, 2.4), (2000, 2.35), (3000, 2.05), (4000, 2.1)], "final_val": 2.1}
-    text = sweep.long_pair_sentence(f, l, "here", 4)
+    text = sweep.long_pair_sentence(f, l, "here", 4, 16384)
     # local - full: -0.1, +0.05, -0.05, +0.1: full is ahead for good only from step 4000
     assert "`full` is ahead from step 4000 on" in text and f"beyond {sweep.reach(4)} bytes" in text
     assert "+0.1000 at step 4000" in text and "-0.0500 at step 3000" in text
     l["evals"][-1] = (4000, 1.9)
-    assert "had not yet overtaken a 4-byte window" in sweep.long_pair_sentence(f, l, "here", 4)
+    assert "had not yet overtaken a 4-byte window" in sweep.long_pair_sentence(f, l, "here", 4, 16384)
