@@ -30,10 +30,9 @@ def loss_curves(stats, configs, path):
     mean and min..max band. Bottom: the paired difference from `full` at the same seed and
     step, mean and band (what the tables report, at every evaluation)."""
     plt = _plt()
-    families = FAMILIES
     full = stats.get("full")
-    fig, axes = plt.subplots(2, len(families), figsize=(4.2 * len(families), 6.4), sharey="row", sharex=True)
-    for col, (title, prefixes) in enumerate(families):
+    fig, axes = plt.subplots(2, len(FAMILIES), figsize=(4.2 * len(FAMILIES), 6.4), sharey="row", sharex=True)
+    for col, (title, prefixes) in enumerate(FAMILIES):
         top, bottom = axes[0, col], axes[1, col]
         for name, *_ in configs:
             s = stats.get(name)

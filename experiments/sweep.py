@@ -33,10 +33,10 @@ Figures go to assets/study_*.png.
 
 Budget: 16 recall runs of 1500 steps, 30 window runs and 36 more text runs of 500 steps
 (12 more configurations x 3 seeds), 2 long runs of LONG_STEPS steps and 14 cost runs of
-COST_STEPS steps. `--plan` adds up STEP_SECONDS (one thread) for the runs left. Measured: about
-2.5 h of the 2-core machine for the whole study, as two sweeps given disjoint --configs (never
-the same run twice at once), e.g. 39 of the runs in 46 min and the long pair in ~25 min; then
-`--only=cost` alone, 2.6 min.
+COST_STEPS steps. `--plan` adds up STEP_SECONDS (one thread) for the runs left. Run as two
+sweeps given disjoint --configs (never the same run twice at once): 39 of the runs took 46 min
+and the long pair 22 min, then `--only=cost` alone 2.6 min; the whole study, summed from the
+runs' times, is roughly 2.5 h of the 2-core machine.
 """
 import argparse
 import json
@@ -122,7 +122,7 @@ COST_STEPS = 40
 # two sweeps side by side, one thread each) took, per run with evaluations and start-up: text
 # asga/asga_noscale/asga_prob 160-185 s (0.35 s/step: these estimates are 2.7x too high), caa
 # 90-104 s, dsa/asga_off/asga_fixed/combiner 36-53 s; recall asga 430-498 s (0.3 s/step: 2x too
-# low), caa and asga_off 158-192 s. The whole study is about 2 h of the 2-core machine.
+# low), caa and asga_off 158-192 s.
 STEP_SECONDS = {
     "text": {"full": 0.151, "local": 0.130, "dsa": 0.169, "asga": 0.928, "caa": 0.197},
     "recall": {"full": 0.204, "local": 0.158, "dsa": 0.242, "asga": 0.162, "caa": 0.154},
@@ -698,13 +698,14 @@ def scale_section(windows, rec, out):
                    "(which is what the papers' windows of 256 tokens are about) cannot show in the loss "
                    "here, whatever it would do at the papers' scale. The recall probe is the test of what "
                    "a variant can reach; the loss table shows cost and gross failures.")
-    for where, full_dir, local_dir, val_tokens in (
+    for where, full_dir, local_dir, w, val_tokens in (
             ("`experiments/results/calibration/`, run in a temporary folder and its log copied there",
-             Path(out, "calibration", "long_full_s0"), Path(out, "calibration", "long_local_w4_s0"), TEXT["val_tokens"]),
+             Path(out, "calibration", "long_full_s0"), Path(out, "calibration", "long_local_w4_s0"), 4,
+             TEXT["val_tokens"]),
             ("`python experiments/sweep.py --only=long`", Path(out, "long", "full_s0"),
-             Path(out, "long", f"{window_run_name(LONG_WINDOW)}_s0"), LONG_VAL_TOKENS)):
+             Path(out, "long", f"{window_run_name(LONG_WINDOW)}_s0"), LONG_WINDOW, LONG_VAL_TOKENS)):
         if recall.run_finished(full_dir) and recall.run_finished(local_dir):
-            L += ["", long_pair_sentence(read_log(full_dir), read_log(local_dir), where, 4, val_tokens)]
+            L += ["", long_pair_sentence(read_log(full_dir), read_log(local_dir), where, w, val_tokens)]
     full = rec.get("full")
     if full:
         L += ["", f"Recall: `full` scores {full['overall']:.3f} overall (the probe is "

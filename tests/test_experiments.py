@@ -139,7 +139,7 @@ def test_results_md_numbers_come_from_the_logs(tmp_path):
         _fake_run(tmp_path, "full", s, [3.0, full[s]], [300, 300], [9.0, 9.0])
         _fake_run(tmp_path, "dsa", s, [3.0, dsa[s]], [900, 900], [9.0, 9.0])
         _fake_run(tmp_path, "local_w16", s, [3.0, full[s] + 0.2], [2000, 2000], [1.0, 1.0])
-    # ... the cost runs' are (measured back to back); caa has a cost run but no text runs
+    # ... the cost runs' are (measured back to back); local's cost run is unfinished
     _fake_run(tmp_path, "full", 0, [3.0], [1000, 1000], [1.0, 1.0], part="cost")
     _fake_run(tmp_path, "dsa", 0, [3.0], [500, 500], [2.0, 2.0], part="cost")
     _fake_run(tmp_path, "local", 0, [3.0], [700, 700], [1.0, 1.0], part="cost", finished=False)
