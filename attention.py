@@ -104,9 +104,15 @@ def allowed(T, S, q_start, k_start, device, window=None, window_from=0):
     return mask
 
 
+def at_least_float32(x):
+    """x in float32, or kept in float64: the softmax runs in float32 at least, and a float64
+    reference stays float64 (the parity tests measure float32's own error against it)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def masked_softmax_attend(logits_BHTS, mask, v_BHSD):
-    """softmax over the allowed keys (in float32), then the weighted sum of values."""
-    logits = logits_BHTS.float().masked_fill(~mask, float("-inf"))
+    """softmax over the allowed keys (in float32 at least), then the weighted sum of values."""
+    logits = at_least_float32(logits_BHTS).masked_fill(~mask, float("-inf"))
     return torch.softmax(logits, dim=-1).to(v_BHSD.dtype) @ v_BHSD
 
 
@@ -574,7 +580,7 @@ def combiner_summaries(qbar, k_blocks, v_blocks, scale):
     kbar = k_blocks.amax(dim=3)  # (B, Hkv, R, D)
     qbar = qbar.view(B, Hkv, H // Hkv, R, D)  # the query heads that share each key head
     logits = torch.einsum("bkgrd,bkrsd->bkgrs", qbar, k_blocks) * scale  # (B, Hkv, g, R, s)
-    p = torch.softmax(logits.float(), dim=-1).to(v_blocks.dtype)
+    p = torch.softmax(at_least_float32(logits), dim=-1).to(v_blocks.dtype)
     vbar = torch.einsum("bkgrs,bkrsd->bkgrd", p, v_blocks)  # (B, Hkv, g, R, D)
     return kbar, vbar.reshape(B, H, R, v_blocks.shape[-1])
 
