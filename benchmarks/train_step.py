@@ -1,0 +1,251 @@
+"""Training-step benchmark: one step (forward, backward, gradient clipping, AdamW) of the
+model per attention configuration, on CPU, as a ratio to `full` measured side by side.
+
+    python benchmarks/train_step.py                 # both shapes, every configuration, 2 threads
+    python benchmarks/train_step.py --quick         # a tiny shape and 2 configurations (the test)
+    python benchmarks/train_step.py --only=asga,caa --shapes=study --rounds=7
+
+Shapes: `cpu` is train.py's CPU preset (the `bytes` model, 4 layers, T = 256, batch 16, one
+micro-batch of the 4096-token step); `study` is experiments/sweep.py's text runs (2 layers,
+T = 512, batch 2, window 64). Configurations: every variant in attention.VARIANTS at its
+defaults, plus each flag that changes the cost (asga's gate space, fixed gate, no gate;
+caa's forced branches; dsa's windows; see CONFIGS).
+
+Time: every model is built and stepped once (warm-up: AdamW state, compiled tiles), then
+each configuration is timed in rounds interleaved with `full` (A B A B ..., `steps` steps a
+sample); its tok/s is the median of its samples and its ratio the median of the per-round
+ratios full_time / its_time, so both runs of a round saw the same machine load.
+Memory: each configuration in a forked child process (forked before the parent runs any
+torch op): after one warm-up step the peak resident set is reset (/proc/self/clear_refs)
+and one step is run; `step_mb` is its peak resident set (VmHWM) minus the resident set
+before the step (activations, gradients, transients: what the step adds to the model and
+optimizer state), `peak_mb` the process's whole peak (what train.py's mem_gb reports).
+The child keeps glibc's default trimming, so freed blocks go back to the OS and the next
+step's peak is not hidden in memory kept from the warm-up.
+
+Writes one Markdown table to stdout and the rows to --out (benchmarks/train_step_cpu.json).
+"""
+import argparse
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: idle threads sleep on a shared CPU
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import attention  # noqa: E402
+from model import MODEL_FIELDS, PRESETS, Model, ModelConfig  # noqa: E402
+
+# (name, variant, flags): each flag that changes the cost of a step. Variants added to
+# attention.VARIANTS later (nsa, moba) join at their defaults (see `configs`).
+CONFIGS = [
+    ("full", "full", {}),
+    ("local", "local", {}),
+    ("dsa", "dsa", {"dsa_window": "adaptive"}),
+    ("dsa_fixed", "dsa", {"dsa_window": "fixed"}),
+    ("dsa_nowin", "dsa", {"dsa_window": "none"}),
+    ("asga", "asga", {}),
+    ("asga_prob", "asga", {"asga_gate_space": "prob"}),
+    ("asga_fixed", "asga", {"asga_gate": "fixed"}),
+    ("asga_off", "asga", {"asga_gate": "off"}),
+    ("caa", "caa", {}),
+    ("caa_local", "caa", {"caa_gate": "local"}),
+    ("caa_global", "caa", {"caa_gate": "global"}),
+    ("combiner", "combiner", {}),
+]
+
+# model: a model.PRESETS name plus overrides; T, B: sequence length and sequences per step.
+SHAPES = {
+    "cpu": dict(model="bytes", overrides={}, T=256, B=16),
+    # experiments/sweep.py's TEXT (the study's text runs): one micro-batch is the whole step
+    "study": dict(model="tiny", overrides=dict(vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=4,
+                                               head_dim=32, mlp_hidden=384, window=64, dsa_threshold=128,
+                                               caa_window_max=128), T=512, B=2),
+    "quick": dict(model="tiny", overrides=dict(vocab_size=256, window=16, dsa_threshold=32, caa_window_max=32),
+                  T=64, B=2),
+}
+QUICK = dict(shapes=["quick"], only=["full", "local"], rounds=3, steps=1)
+# The issue's goals (ratio of tok/s to full's, 2 cores): the variant at its defaults
+GOALS = dict(asga=0.6, asga_prob=0.6, caa=0.8, combiner=0.9, local=0.95, dsa=0.95, dsa_fixed=0.95,
+             nsa=0.8, moba=0.8)
+LR, WEIGHT_DECAY, GRAD_CLIP = 3e-3, 0.1, 1.0  # train.py's cpu preset (the lr does not change the cost)
+
+
+def configs(only=None):
+    """CONFIGS plus any variant of attention.VARIANTS they do not name, at its defaults."""
+    rows = CONFIGS + [(v, v, {}) for v in attention.VARIANTS if v not in {c[1] for c in CONFIGS}]
+    if only:
+        unknown = set(only) - {c[0] for c in rows}
+        if unknown:
+            raise SystemExit(f"unknown configuration(s) {sorted(unknown)}; valid: {', '.join(c[0] for c in rows)}")
+        rows = [c for c in rows if c[0] in only or c[0] == "full"]  # full: every ratio's other half
+    return rows
+
+
+def build(shape, attn, flags, seed=0):
+    """(model, optimizer, x, y): AdamW with decay on matrices, as train.py's make_optimizer."""
+    s = SHAPES[shape]
+    cfg = ModelConfig(**{**PRESETS[s["model"]], **s["overrides"], "attn": attn, "kernel": "fused", **flags})
+    torch.manual_seed(seed)
+    model = Model(cfg)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), fused=True)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (s["B"], s["T"] + 1), generator=g)
+    return model, opt, tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(model, opt, x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def _memory_child(shape, attn, flags, threads, conn):
+    try:
+        torch.set_num_threads(threads)
+        model, opt, x, y = build(shape, attn, flags)
+        train_step(model, opt, x, y)  # warm-up: AdamW state, compiled tiles
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident set
+        base = _status_kb("VmRSS")
+        train_step(model, opt, x, y)
+        peak = _status_kb("VmHWM")
+        conn.send(dict(step_mb=(peak - base) / 1024, peak_mb=peak / 1024))
+    except Exception as e:  # the row says so; the benchmark goes on
+        conn.send(dict(error=f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def memory(shape, rows, threads):
+    """{name: {step_mb, peak_mb}}, each configuration in its own forked child."""
+    ctx = multiprocessing.get_context("fork")
+    out = {}
+    for name, attn, flags in rows:
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_memory_child, args=(shape, attn, flags, threads, send))
+        p.start()
+        send.close()
+        out[name] = recv.recv() if recv.poll(600) else dict(error="no answer in 600 s")
+        p.join()
+    return out
+
+
+def timing(shape, rows, rounds, steps):
+    """{name: {tok_s, ratio, samples}}: samples interleaved with full's, see the docstring."""
+    built = {name: build(shape, attn, flags) for name, attn, flags in rows}
+    for b in built.values():
+        train_step(*b)  # warm-up
+    tokens = SHAPES[shape]["B"] * SHAPES[shape]["T"] * steps
+
+    def sample(name):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            train_step(*built[name])
+        return time.perf_counter() - t0
+
+    out, full_times = {}, []
+    for name, _, _ in rows:
+        if name == "full":
+            continue
+        pairs = []
+        for _ in range(rounds):
+            a, b = sample("full"), sample(name)
+            pairs.append((a, b))
+        full_times += [a for a, _ in pairs]
+        out[name] = dict(tok_s=tokens / statistics.median(b for _, b in pairs),
+                         ratio=statistics.median(a / b for a, b in pairs),
+                         full_tok_s=tokens / statistics.median(a for a, _ in pairs),
+                         seconds=[round(b, 4) for _, b in pairs], full_seconds=[round(a, 4) for a, _ in pairs])
+    if not full_times:  # full alone
+        full_times = [sample("full") for _ in range(rounds)]
+    out["full"] = dict(tok_s=tokens / statistics.median(full_times), ratio=1.0, seconds=[round(t, 4) for t in full_times])
+    return out
+
+
+def table(rows):
+    lines = ["| shape | config | tok/s | vs full (same rounds) | goal | step memory MB | vs full | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        full = next(f for f in rows if f["shape"] == r["shape"] and f["config"] == "full")
+        mem = "error" if "error" in r else f"{r['step_mb']:.0f}"
+        mem_rel = "" if "error" in r or "error" in full else f"{r['step_mb'] / max(full['step_mb'], 1e-9):.2f}x"
+        goal = GOALS.get(r["config"])
+        goal_s = "" if goal is None else f">= {goal}x {'met' if r['ratio'] >= goal else 'NOT met'}"
+        peak = "" if "error" in r else f"{r['peak_mb']:.0f}"
+        lines.append(f"| {r['shape']} | {r['config']} | {r['tok_s']:.0f} | {r['ratio']:.2f}x | {goal_s} | {mem} | "
+                     f"{mem_rel} | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shape, full and local, one step a sample")
+    p.add_argument("--shapes", default="cpu,study", help=f"comma-separated, of: {', '.join(SHAPES)}")
+    p.add_argument("--only", default="", help="comma-separated configuration names (full is always run)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved samples per configuration")
+    p.add_argument("--steps", type=int, default=2, help="training steps per sample")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/train_step_cpu.json; "
+                                                "--quick writes none unless given)")
+    args = p.parse_args(argv)
+    shapes, only = args.shapes.split(","), [o for o in args.only.split(",") if o]
+    rounds, steps = args.rounds, args.steps
+    if args.quick:
+        shapes, only, rounds, steps = QUICK["shapes"], QUICK["only"], QUICK["rounds"], QUICK["steps"]
+    for s in shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}")
+    rows = configs(only)
+    # memory first: the children are forked before this process runs any torch op
+    mem = {s: memory(s, rows, args.threads) for s in shapes}
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    results = []
+    for s in shapes:
+        times = timing(s, rows, rounds, steps)
+        for name, attn, flags in rows:
+            results.append(dict(shape=s, config=name, attn=attn, flags=flags, T=SHAPES[s]["T"], B=SHAPES[s]["B"],
+                                **times[name], **mem[s][name]))
+    report = dict(
+        command=" ".join(["python benchmarks/train_step.py"] + (argv if argv is not None else sys.argv[1:])),
+        torch=torch.__version__, threads=args.threads, rounds=rounds, steps_per_sample=steps,
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs", load_average=[round(load_before, 2),
+                                                                             round(os.getloadavg()[0], 2)],
+        seconds=round(time.time() - started, 1),
+        memory="step_mb: peak resident set (VmHWM) of a forked process during one training step minus its "
+               "resident set before it; peak_mb: that process's VmHWM",
+        rows=results)
+    print(table(results))
+    print(f"load average {report['load_average']}; {report['seconds']} s of timing")
+    out = args.out or (None if args.quick else os.path.join(ROOT, "benchmarks", "train_step_cpu.json"))
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
