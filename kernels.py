@@ -39,7 +39,9 @@ here and the loops write into float32 buffers):
   forward keeps only its output, the backward recomputes each chunk's scores. Time grows as
   T * (Bq + W), memory as T * D. A bias enters as an addition on the band.
 - pair-gated attention: `PairGatedAttention`. The gate is built one (query block x key
-  chunk) tile at a time, only for keys j <= i, in reused buffers; the forward keeps output
+  chunk) tile at a time, only for keys j <= i, by `GateTile`: compiled with torch.compile
+  (the pair MLP's add, GELU and sum over r in one pass, no (T, S, r) hidden tile; eager, in
+  reused buffers, where compiling fails, and the run says so once); the forward keeps output
   and row log-sum-exp, the backward recomputes each tile once ([Flash]-2's loop). Memory
   O(T * (D + r)) kept, O(Bq * S) transient; time O(T^2 r).
 - top-k attention: `TopkAttention`. Per query block, dense scores pick each query's k_i
@@ -54,6 +56,7 @@ of model.py. This file imports nothing from attention.py ([Flash] etc. are its r
 The benchmark is benchmarks/attention.py.
 """
 import functools
+import os
 from collections import namedtuple
 
 import torch
@@ -308,55 +311,161 @@ def _mask_future_(logits, t0, off, c0=0):
     return logits
 
 
+def gate_tile_logits(qt, kt, w2):
+    """(G, bq, c): sum_r w2[g, r] GELU(qt[g, r, i] + kt[g, r, j]), the gate logit of each
+    (query, key) pair of a tile before b2 ([ASGA] eq. 1); qt (G, r, bq), kt (G, r, c), w2
+    (G, r). As written it builds the (G, r, bq, c) hidden tensor; torch.compile turns it into
+    one loop over (g, i, j) with the sum over r inside, so no hidden tensor is written or
+    read back (`GateTile`)."""
+    hidden = qt[:, :, :, None] + kt[:, :, None, :]  # (G, r, bq, c)
+    return (F.gelu(hidden) * w2[:, :, None, None]).sum(1)
+
+
+def gate_tile_grads(qt, kt, dz):
+    """Gradients of sum(dz * gate_tile_logits(qt, kt, w2)) for dz (G, bq, c), w2 left out of
+    the first two (the caller multiplies by it once, outside the loops): (sum_j dz GELU'
+    (G, r, bq), sum_i dz GELU' (G, r, c), sum_ij dz GELU (G, r)). Compiled like
+    `gate_tile_logits`: reductions over the tile, no (G, r, bq, c) tensor."""
+    hidden = qt[:, :, :, None] + kt[:, :, None, :]  # (G, r, bq, c)
+    dz = dz[:, None]
+    d_hidden = torch.ops.aten.gelu_backward(dz.expand_as(hidden), hidden)
+    return d_hidden.sum(3), d_hidden.sum(2), (F.gelu(hidden) * dz).sum((2, 3))
+
+
+class GateTile:
+    """asga's gate over one (query block x key chunk) tile, forward and backward: compiled
+    (`gate_tile_logits` and `gate_tile_grads` through torch.compile, inductor's C++ on CPU:
+    the pair MLP's add, GELU and contraction with w2 fused into one pass over the tile), or
+    eager where compiling is off (GateTile.COMPILE = False), fails, or is inside an outer
+    torch.compile (which then traces the eager ops). The eager tile runs op by op through
+    (G, r, bq, c) buffers reused across tiles. Which one ran is said once (`path`).
+
+    Why compiled: op by op, every hidden element is written and read back several times
+    (add, GELU, contraction; in the backward GELU's derivative and three sums), so the gate
+    cost ~10x the q.k^T bmm of the same tile; fused, the loop is bound by GELU's erf
+    (benchmarks/train_step.py, README "Performance")."""
+
+    # False: the eager tile always. ASGA_COMPILED_GATE=0 sets it for a process and its children
+    # (the test suite does, so that every test process does not pay the compile; tests/
+    # test_gate_tile.py turns it back on).
+    COMPILE = os.environ.get("ASGA_COMPILED_GATE", "1") != "0"
+    TILE = 1 << 21  # eager: elements of one hidden buffer (8 MB), measured best
+    SCORES = 1 << 21  # compiled: elements of one (G, bq, c) score tile of the backward
+    _compiled = None  # (logits, grads) once compiled; False once compiling failed
+    path = None  # 'compiled (torch.compile)' or 'eager (why)', set at first use
+
+    def __init__(self, qt_r, kt_r, w2, n_buffers):
+        """qt_r (G, r, T), kt_r (G, r, S) r-major; w2 (G, r); buffers for the eager tile."""
+        self.qt_r, self.kt_r, self.w2 = qt_r, kt_r, w2
+        G, r = qt_r.shape[:2]
+        self.compiled = self._compile() if qt_r.shape[-1] > 1 else None  # decoding: one query, eager
+        if self.compiled is None:
+            self.chunk = max(16, self.TILE // (G * r * PairGatedAttention.BLOCK))
+            self.buffers = [qt_r.new_empty(G * r * PairGatedAttention.BLOCK * self.chunk) for _ in range(n_buffers)]
+        else:
+            self.chunk = max(16, self.SCORES // (G * PairGatedAttention.BLOCK))
+
+    @classmethod
+    def _compile(cls):
+        """The compiled (logits, grads), or None (eager). Compiled and run once on a small
+        tile at first use, so that a failure (no C++ compiler) shows before any real tile."""
+        if not cls.COMPILE or torch.compiler.is_compiling():
+            cls._say("eager (" + ("GateTile.COMPILE is False" if not cls.COMPILE else "inside torch.compile") + ")")
+            return None
+        if cls._compiled is None:
+            try:
+                fns = (torch.compile(gate_tile_logits, dynamic=True), torch.compile(gate_tile_grads, dynamic=True))
+                qt, kt, w2, dz = torch.ones(2, 3, 4), torch.ones(2, 3, 5), torch.ones(2, 3), torch.ones(2, 4, 5)
+                fns[0](qt, kt, w2), fns[1](qt, kt, dz)
+                cls._compiled = fns
+            except Exception as e:  # no C++ compiler, an inductor error: the same maths, eager
+                cls._failed(e)
+        if cls._compiled:
+            cls._say("compiled (torch.compile)")
+        return cls._compiled or None
+
+    @classmethod
+    def _failed(cls, e):
+        cls._compiled = False
+        cls._say(f"eager (torch.compile failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}; "
+                 "a C++ compiler gives the compiled tile)")
+
+    @classmethod
+    def _say(cls, path):
+        if cls.path != path:
+            cls.path = path
+            print(f"kernels.py: asga's gate tile: {path}", flush=True)
+
+    def _run(self, which, *args):
+        """The compiled function `which` (0 logits, 1 grads). Should a later compile fail (a
+        new shape), this call finishes with the uncompiled functions and the next calls run
+        the eager tile."""
+        try:
+            return self.compiled[which](*args)
+        except Exception as e:
+            GateTile._failed(e)
+            self.compiled = (gate_tile_logits, gate_tile_grads)
+            return self.compiled[which](*args)
+
+    def logits(self, t0, t1, c0, c1):
+        """(G, t1 - t0, c1 - c0) gate logits before b2 of queries t0..t1 and keys c0..c1."""
+        qt, kt = self.qt_r[:, :, t0:t1], self.kt_r[:, :, c0:c1]
+        if self.compiled is not None:
+            self.tile = (qt, kt)
+            return self._run(0, qt, kt, self.w2)
+        G, r = self.qt_r.shape[:2]
+        shape = (G, r, t1 - t0, c1 - c0)
+        n = shape[0] * shape[1] * shape[2] * shape[3]
+        hidden = torch.add(qt[:, :, :, None], kt[:, :, None, :], out=self.buffers[0][:n].view(shape))
+        act = torch.ops.aten.gelu.out(hidden, out=self.buffers[1][:n].view(shape))  # out=: no allocation per tile
+        self.tile = (hidden, act)
+        return torch.bmm(self.w2[:, None, :], act.view(G, r, -1)).view(G, t1 - t0, c1 - c0)
+
+    def grads(self, dz):
+        """For dz (G, bq, c), the tile of the last `logits`: (d qt (G, r, bq), d kt (G, r, c))
+        without the w2 factor, and d w2 (G, r)."""
+        if self.compiled is not None:
+            return self._run(1, *self.tile, dz)
+        hidden, act = self.tile
+        G, r = hidden.shape[:2]
+        dw2 = torch.bmm(act.view(G, r, -1), dz.reshape(G, -1, 1)).view(G, r)
+        # GELU's derivative times dz, into a reused buffer (the out= form of its backward)
+        dh = torch.ops.aten.gelu_backward.grad_input(dz[:, None].expand_as(hidden), hidden,
+                                                     grad_input=self.buffers[2][:hidden.numel()].view(hidden.shape))
+        return dh.sum(-1), dh.sum(2), dw2
+
+
 class PairGatedAttention(torch.autograd.Function):
     """y_i = softmax_{s <= off+i}(q_i . k_s * sigmoid(z_is)) v, z_is = w2 . GELU(qt_i + kt_s) + b2
 (prob=True: softmax of q_i . k_s + log sigmoid(z_is), the probability-space gate).
 
     q (G, T, D) already scaled (1/sqrt(d) and softplus(gamma)); k, v (G, S, D); qt (G, T, r),
     kt (G, S, r) the two halves of W1 [LN(q); LN(k)] + b1; w2 (G, r), b2 (G,).
-    The hidden tensor exists one (G, r, Bq, chunk) tile at a time, in buffers reused across
-    tiles (a fresh allocation per tile cost more than the GELU), r-major so that the
-    broadcast add and the GELU run over long contiguous rows. Forward: per query block,
-    the gate logits of every visible key, then one softmax; saves output and log-sum-exp.
-    Backward, FlashAttention-2 style (Dao 2023): per (query block, key chunk) tile, the
-    gate and the probabilities are recomputed from the log-sum-exp and every gradient is
-    accumulated from that tile alone: each hidden element is built twice in all, once in
-    the forward, once in the backward."""
+    The gate exists one (query block x key chunk) tile at a time (`GateTile`: compiled,
+    no hidden tensor; eager, a (G, r, Bq, chunk) hidden tile in reused buffers). Forward: per
+    query block, the gate logits of every visible key, then one softmax; saves output and
+    log-sum-exp. Backward, FlashAttention-2 style (Dao 2023): per (query block, key chunk)
+    tile, the gate and the probabilities are recomputed from the log-sum-exp and every
+    gradient is accumulated from that tile alone: each gate logit is computed twice in all,
+    once in the forward, once in the backward."""
 
     BLOCK = 64  # queries per block
-    TILE = 1 << 21  # elements of one hidden tile (8 MB): fewer, larger ops; measured best
-
-    @staticmethod
-    def _chunk(G, r):
-        return max(16, PairGatedAttention.TILE // (G * r * PairGatedAttention.BLOCK))
-
-    @staticmethod
-    def _gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers):
-        """hidden = qt + kt, act = GELU(hidden) (G, r, bq, c) in the buffers, and the gate
-        logit w2 . act (G, bq, c) (003 eq. 1 before b2 and the sigmoid)."""
-        G, r = qt_r.shape[:2]
-        shape = (G, r, t1 - t0, c1 - c0)
-        n = shape[0] * shape[1] * shape[2] * shape[3]
-        hidden = torch.add(qt_r[:, :, t0:t1, None], kt_r[:, :, None, c0:c1], out=buffers[0][:n].view(shape))
-        act = torch.ops.aten.gelu.out(hidden, out=buffers[1][:n].view(shape))  # out=: no allocation per tile
-        return hidden, act, torch.bmm(w2_row, act.view(G, r, -1)).view(G, t1 - t0, c1 - c0)
 
     @staticmethod
     def forward(ctx, q, k, v, qt, kt, w2, b2, off, prob):
         G, T, _ = q.shape
-        S, r = k.shape[1], qt.shape[-1]
+        S = k.shape[1]
         qt_r, kt_r = qt.transpose(1, 2).contiguous(), kt.transpose(1, 2).contiguous()  # (G, r, T|S)
-        w2_row, chunk = w2[:, None, :], PairGatedAttention._chunk(G, r)
-        buffers = [q.new_empty(G * r * PairGatedAttention.BLOCK * chunk) for _ in range(2)]
+        gate = GateTile(qt_r, kt_r, w2, n_buffers=2)
         o, lse = torch.empty_like(q), q.new_empty(G, T, 1)
         rows = [q.new_empty(G * PairGatedAttention.BLOCK * S) for _ in range(2)]  # (G, bq, K) each
         for t0 in range(0, T, PairGatedAttention.BLOCK):
             t1 = min(T, t0 + PairGatedAttention.BLOCK)
             K = min(S, off + t1)  # keys any query of this block may see
             z = rows[0][:G * (t1 - t0) * K].view(G, t1 - t0, K)
-            for c0 in range(0, K, chunk):
-                c1 = min(K, c0 + chunk)
-                z[:, :, c0:c1] = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)[2]
+            for c0 in range(0, K, gate.chunk):
+                c1 = min(K, c0 + gate.chunk)
+                z[:, :, c0:c1] = gate.logits(t0, t1, c0, c1)
             z.add_(b2[:, None, None])
             logits = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=rows[1][:z.numel()].view(z.shape))
             logits = logits.add_(F.logsigmoid(z)) if prob else logits.mul_(torch.sigmoid_(z))
@@ -373,18 +482,17 @@ class PairGatedAttention(torch.autograd.Function):
         off, prob = ctx.off, ctx.prob
         G, T, _ = q.shape
         S, r = k.shape[1], qt_r.shape[1]
-        w2_row, chunk = w2[:, None, :], PairGatedAttention._chunk(G, r)
-        buffers = [q.new_empty(G * r * PairGatedAttention.BLOCK * chunk) for _ in range(3)]
+        gate = GateTile(qt_r, kt_r, w2, n_buffers=3)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dqt_r, dkt_r = torch.zeros_like(qt_r), torch.zeros_like(kt_r)  # without the w2 factor
-        dw2, db2 = q.new_zeros(G, r, 1), torch.zeros_like(b2)
+        dw2, db2 = q.new_zeros(G, r), torch.zeros_like(b2)
         delta = (do * o).sum(-1, keepdim=True)  # (G, T, 1): sum over keys of p * dp
         for t0 in range(0, T, PairGatedAttention.BLOCK):
             t1 = min(T, t0 + PairGatedAttention.BLOCK)
             qb, dob = q[:, t0:t1], do[:, t0:t1]
-            for c0 in range(0, min(S, off + t1), chunk):
-                c1 = min(S, off + t1, c0 + chunk)
-                hidden, act, z = PairGatedAttention._gate_tile(qt_r, kt_r, t0, t1, c0, c1, w2_row, buffers)
+            for c0 in range(0, min(S, off + t1), gate.chunk):
+                c1 = min(S, off + t1, c0 + gate.chunk)
+                z = gate.logits(t0, t1, c0, c1)
                 s = torch.sigmoid(z.add_(b2[:, None, None]))  # (G, bq, c)
                 qk = torch.bmm(qb, k[:, c0:c1].transpose(1, 2))
                 logits = qk + F.logsigmoid(z) if prob else qk * s
@@ -397,16 +505,13 @@ class PairGatedAttention(torch.autograd.Function):
                 # d gate logit: d log sigmoid(z) = 1 - s; d (qk * sigmoid(z)) = qk * s * (1 - s)
                 dz = dlogits.mul_(1 - s) if prob else dlogits.mul_(qk).mul_(s).mul_(1 - s)
                 db2 += dz.sum((1, 2))
-                dw2 += torch.bmm(act.view(G, r, -1), dz.view(G, -1, 1))
-                # d hidden / w2 = dz * GELU'(hidden); w2 is applied once, to the sums
-                # GELU's derivative times dz, into a reused buffer (the out= form of its backward)
-                dh = torch.ops.aten.gelu_backward.grad_input(dz[:, None].expand_as(hidden), hidden,
-                                                             grad_input=buffers[2][:hidden.numel()].view(hidden.shape))
-                dqt_r[:, :, t0:t1] += dh.sum(-1)
-                dkt_r[:, :, c0:c1] += dh.sum(2)
+                dqt_c, dkt_c, dw2_c = gate.grads(dz)  # d hidden / w2 = dz * GELU'(hidden), summed
+                dqt_r[:, :, t0:t1] += dqt_c
+                dkt_r[:, :, c0:c1] += dkt_c
+                dw2 += dw2_c
         dqt = (dqt_r * w2[:, :, None]).transpose(1, 2)
         dkt = (dkt_r * w2[:, :, None]).transpose(1, 2)
-        return dq, dk, dv, dqt, dkt, dw2.view(G, r), db2, None, None
+        return dq, dk, dv, dqt, dkt, dw2, db2, None, None
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: top-k

@@ -8,6 +8,9 @@ import pytest
 # Idle OpenMP threads sleep instead of spinning: tests start subprocesses (torchrun ranks)
 # that share the 2 cores with this one, and spinning threads starve them (train.py does the same).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# asga's gate tile runs eager in the suite (and the processes it starts): compiling it costs
+# every test process tens of seconds on 2 cores; tests/test_gate_tile.py checks the compiled one.
+os.environ.setdefault("ASGA_COMPILED_GATE", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

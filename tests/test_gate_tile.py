@@ -1,0 +1,75 @@
+"""asga's gate tile (kernels.GateTile): the compiled tile equals the eager one, forward and
+backward; the whole asga op through the compiled tile passes the parity test against the
+reference (tests/test_kernels.py's `check`); and where torch.compile fails the eager tile
+runs, says so once, and gives the same result."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import GateTile
+from test_kernels import check, make_module
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The compiled tile on (the suite turns it off, conftest.py), restored afterwards."""
+    monkeypatch.setattr(GateTile, "COMPILE", True)
+    monkeypatch.setattr(GateTile, "path", None)
+    yield
+    if GateTile._compiled is False:  # a forced failure must not leak into the next test
+        GateTile._compiled = None
+
+
+def tile_inputs(G, r, bq, c, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g) for shape in ((G, r, bq), (G, r, c), (G, r), (G, bq, c))]
+
+
+def reference_grads(qt, kt, w2, dz):
+    """Autograd of sum(dz * z), z written out: sum_r w2 GELU(qt + kt)."""
+    qt, kt, w2 = (t.clone().requires_grad_(True) for t in (qt, kt, w2))
+    z = (F.gelu(qt[:, :, :, None] + kt[:, :, None, :]) * w2[:, :, None, None]).sum(1)
+    return (z, *torch.autograd.grad((z * dz).sum(), (qt, kt, w2)))
+
+
+@pytest.mark.parametrize("G,r,bq,c", [(3, 4, 64, 37), (2, 5, 3, 1), (4, 16, 17, 130)])
+def test_compiled_gate_tile_equals_eager(compiled, G, r, bq, c):
+    qt, kt, w2, dz = tile_inputs(G, r, bq, c)
+    z_ref, dqt_ref, dkt_ref, dw2_ref = reference_grads(qt, kt, w2, dz)
+    for compile_ in (True, False):
+        GateTile.COMPILE = compile_
+        tile = GateTile(qt, kt, w2, n_buffers=3)
+        assert (tile.compiled is not None) == compile_ or GateTile.path.startswith("eager (torch.compile failed")
+        z = tile.logits(0, bq, 0, c)
+        dqt, dkt, dw2 = tile.grads(dz)
+        assert GateTile.path.startswith("compiled" if compile_ else "eager"), GateTile.path
+        torch.testing.assert_close(z, z_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dqt * w2[:, :, None], dqt_ref, rtol=1e-4, atol=1e-5)  # w2 left out of the tile
+        torch.testing.assert_close(dkt * w2[:, :, None], dkt_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dw2, dw2_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("space", ["logit", "prob"])
+def test_asga_through_the_compiled_tile_equals_reference(compiled, space):
+    module = make_module("asga", asga_gate_space=space, window=100)
+    for T in (7, 129):  # a partial block; 129 = 2 blocks + 1 query
+        check(module, T)
+    check(module, 7, p0=300, k0=150)  # after cached keys
+    assert GateTile.path == "compiled (torch.compile)"
+
+
+def test_a_failed_compile_falls_back_to_the_eager_tile(compiled, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        def fails(*a, **k):
+            raise RuntimeError("no C++ compiler (forced by the test)")
+        return fails
+
+    monkeypatch.setattr(GateTile, "_compiled", None)
+    monkeypatch.setattr(kernels.torch, "compile", broken)
+    module = make_module("asga", window=100)
+    check(module, 70)
+    check(module, 7)
+    assert GateTile.path.startswith("eager (torch.compile failed: RuntimeError: no C++ compiler")
+    said = [line for line in capsys.readouterr().out.splitlines() if "gate tile" in line]
+    assert len(said) == 1, said  # said once
