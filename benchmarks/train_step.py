@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import attention  # noqa: E402
+import kernels  # noqa: E402
 from model import MODEL_FIELDS, PRESETS, Model, ModelConfig  # noqa: E402
 
 # (name, variant, flags): each flag that changes the cost of a step. Variants added to
@@ -183,6 +184,39 @@ def timing(shape, rows, rounds, steps):
     return out
 
 
+def gate_bound(shape="cpu", rounds=5):
+    """What bounds asga: on one tile of the shape's own sizes (G = B H rows, r hidden units,
+    64 queries x T keys), the compiled gate tile's forward and backward (kernels.GateTile)
+    against the q.k^T bmm of the same tile (ms, medians), and the arithmetic per score:
+    attention's matmuls 2 D (q.k) + 2 D (p.v) forward, twice that backward; the pair MLP r
+    GELUs (an erf each) plus 3 r adds and multiplies forward, r GELU derivatives (erf and
+    exp) plus 4 r backward."""
+    s = SHAPES[shape]
+    cfg = ModelConfig(**{**PRESETS[s["model"]], **s["overrides"]})
+    G, r, D, bq, c = s["B"] * cfg.n_head, cfg.asga_hidden, cfg.head_dim, 64, s["T"]
+    g = torch.Generator().manual_seed(0)
+    qt, kt, w2, dz = (torch.randn(*x, generator=g) for x in ((G, r, bq), (G, r, c), (G, r), (G, bq, c)))
+    q, k = torch.randn(G, bq, D, generator=g), torch.randn(G, c, D, generator=g)
+    tile = kernels.GateTile(qt, kt, w2, n_buffers=3)
+
+    def ms(fn):
+        fn()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    return dict(shape=shape, tile=f"G={G}, r={r}, {bq} queries x {c} keys, D={D}", gate_tile=kernels.GateTile.path,
+                gate_forward_ms=ms(lambda: tile.logits(0, bq, 0, c)),
+                gate_backward_ms=ms(lambda: (tile.logits(0, bq, 0, c), tile.grads(dz))),
+                qk_bmm_ms=ms(lambda: torch.bmm(q, k.transpose(1, 2))),
+                attention_flops_per_score=dict(forward=4 * D, backward=8 * D),
+                pair_mlp_per_score=dict(forward=f"{r} GELU (erf) + {3 * r} flops",
+                                        backward=f"{r} GELU' (erf, exp) + {r} GELU (erf) + {4 * r} flops"))
+
+
 def table(rows):
     lines = ["| shape | config | tok/s | vs full (same rounds) | goal | step memory MB | vs full | peak RSS MB |",
              "|---|---|---|---|---|---|---|---|"]
@@ -206,6 +240,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved samples per configuration")
     p.add_argument("--steps", type=int, default=2, help="training steps per sample")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bounds", action="store_true", help="only asga's bound (gate_bound), added to --out's JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/train_step_cpu.json; "
                                                 "--quick writes none unless given)")
     args = p.parse_args(argv)
@@ -216,6 +251,16 @@ def main(argv=None):
     for s in shapes:
         if s not in SHAPES:
             raise SystemExit(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}")
+    if args.bounds:
+        torch.set_num_threads(args.threads)
+        out = args.out or os.path.join(ROOT, "benchmarks", "train_step_cpu.json")
+        report = json.load(open(out)) if os.path.exists(out) else {}
+        report["bounds"] = [gate_bound(s) for s in shapes]
+        report["bounds_load_average"] = round(os.getloadavg()[0], 2)
+        print(json.dumps(report["bounds"], indent=1))
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+        return report
     rows = configs(only)
     # memory first: the children are forked before this process runs any torch op
     mem = {s: memory(s, rows, args.threads) for s in shapes}
@@ -233,12 +278,13 @@ def main(argv=None):
         torch=torch.__version__, threads=args.threads, rounds=rounds, steps_per_sample=steps,
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs", load_average=[round(load_before, 2),
                                                                              round(os.getloadavg()[0], 2)],
-        seconds=round(time.time() - started, 1),
+        seconds=round(time.time() - started, 1), gate_tile=kernels.GateTile.path,
         memory="step_mb: peak resident set (VmHWM) of a forked process during one training step minus its "
                "resident set before it; peak_mb: that process's VmHWM",
         rows=results)
     print(table(results))
-    print(f"load average {report['load_average']}; {report['seconds']} s of timing")
+    print(f"asga's gate tile: {report['gate_tile']}; load average {report['load_average']}; "
+          f"{report['seconds']} s of timing")
     out = args.out or (None if args.quick else os.path.join(ROOT, "benchmarks", "train_step_cpu.json"))
     if out:
         with open(out, "w") as f:
