@@ -123,7 +123,7 @@ def per_head(scale):
 
 def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """(B, H, T, D): softmax_j(q_t . k_j * scale + bias) v over the keys `allowed` (causal,
-    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, t, dist) of the batch index, the
+    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, h, t, dist) of the batch, head and
     query index and the query-minus-key distance (index tensors that broadcast), returning
     the additive logit bias; written once, it is evaluated here on (B, 1, T, S) broadcasts,
     in kernels.py on its blocks or as a FlexAttention score_mod."""
@@ -133,8 +133,9 @@ def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias
     logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
     if bias is not None:
         b = torch.arange(B, device=q.device)[:, None, None, None]
+        h = torch.arange(H, device=q.device)[None, :, None, None]
         t = torch.arange(T, device=q.device)[None, None, :, None]
-        logits = logits + bias(b, t, distances(T, S, q_start, k_start, q.device)[None, None])
+        logits = logits + bias(b, h, t, distances(T, S, q_start, k_start, q.device)[None, None])
     return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device, window, window_from), v)
 
 
@@ -537,8 +538,12 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             if self.record:
                 self.gates["window"] = width.detach()[..., None]
 
-            def boundary(b, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                return F.logsigmoid((width[b, t] - dist) / cfg.caa_tau)
+            # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
+            # atomic adds of one query's keys, not of every head's (kernels.py, "captured")
+            width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
+
+            def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
+                return F.logsigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
             local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
         if cfg.caa_gate != "local":
