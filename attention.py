@@ -109,9 +109,15 @@ def allowed(T, S, q_start, k_start, device, window=None, window_from=0):
     return mask
 
 
+def at_least_float32(x):
+    """x in float32, or kept in float64: the softmax runs in float32 at least, and a float64
+    reference stays float64 (the parity tests measure float32's own error against it)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def masked_softmax_attend(logits_BHTS, mask, v_BHSD):
-    """softmax over the allowed keys (in float32), then the weighted sum of values."""
-    logits = logits_BHTS.float().masked_fill(~mask, float("-inf"))
+    """softmax over the allowed keys (in float32 at least), then the weighted sum of values."""
+    logits = at_least_float32(logits_BHTS).masked_fill(~mask, float("-inf"))
     return torch.softmax(logits, dim=-1).to(v_BHSD.dtype) @ v_BHSD
 
 
@@ -122,7 +128,7 @@ def per_head(scale):
 
 def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """(B, H, T, D): softmax_j(q_t . k_j * scale + bias) v over the keys `allowed` (causal,
-    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, t, dist) of the batch index, the
+    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, h, t, dist) of the batch, head and
     query index and the query-minus-key distance (index tensors that broadcast), returning
     the additive logit bias; written once, it is evaluated here on (B, 1, T, S) broadcasts,
     in kernels.py on its blocks or as a FlexAttention score_mod."""
@@ -132,8 +138,9 @@ def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias
     logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
     if bias is not None:
         b = torch.arange(B, device=q.device)[:, None, None, None]
+        h = torch.arange(H, device=q.device)[None, :, None, None]
         t = torch.arange(T, device=q.device)[None, None, :, None]
-        logits = logits + bias(b, t, distances(T, S, q_start, k_start, q.device)[None, None])
+        logits = logits + bias(b, h, t, distances(T, S, q_start, k_start, q.device)[None, None])
     return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device, window, window_from), v)
 
 
@@ -560,8 +567,12 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             if self.record:
                 self.gates["window"] = width.detach()[..., None]
 
-            def boundary(b, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                return F.logsigmoid((width[b, t] - dist) / cfg.caa_tau)
+            # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
+            # atomic adds of one query's keys, not of every head's (kernels.py, "captured")
+            width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
+
+            def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
+                return F.logsigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
             local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
         if cfg.caa_gate != "local":
@@ -598,7 +609,7 @@ def combiner_summaries(qbar, k_blocks, v_blocks, scale):
     kbar = k_blocks.amax(dim=3)  # (B, Hkv, R, D)
     qbar = qbar.view(B, Hkv, H // Hkv, R, D)  # the query heads that share each key head
     logits = torch.einsum("bkgrd,bkrsd->bkgrs", qbar, k_blocks) * scale  # (B, Hkv, g, R, s)
-    p = torch.softmax(logits.float(), dim=-1).to(v_blocks.dtype)
+    p = torch.softmax(at_least_float32(logits), dim=-1).to(v_blocks.dtype)
     vbar = torch.einsum("bkgrs,bkrsd->bkgrd", p, v_blocks)  # (B, Hkv, g, R, D)
     return kbar, vbar.reshape(B, H, R, v_blocks.shape[-1])
 

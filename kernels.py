@@ -24,7 +24,11 @@ traces this path without a graph break (tests/test_kernels.py); on CPU, inductor
 FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
 gate multiply, "no choices" for the asga and caa score_mods; `local` compiles and matches
 the reference to 2e-7), so CPU runs stay uncompiled.
-Compiled on a GPU (Triton templates): not yet run, no GPU was available.
+Compiled on a GPU (Triton templates): not yet run on a GPU. What a GPU's compile rejects is
+kept out: a score_mod reads each captured tensor that needs a gradient once (`units`), and
+by row or key, never by head alone (`per_row`); tests/test_lowering.py checks both on the
+joint graphs inductor receives, and benchmarks/gpu_compile/ holds the whole CUDA compile
+of every variant for an H100 and an A100, made on a CPU (kernels, shared memory, spills).
 
 BLOCKWISE, the CPU training path (kernel='fused' on CPU): plain PyTorch loops built for a
 few CPU cores, in float32 (autocast is switched off inside: CPU bf16 matmuls gain nothing
@@ -222,8 +226,8 @@ class Band:
                     yield g * self.nb + b0, g * self.nb + min(self.nb, b0 + self.chunk)
 
     def bias_rows(self, bias, i0, i1):
-        """Index into bias.view(-1, Bq, L) of blocks i0 .. i1-1: bias is shared by the heads
-        of a batch row (and by all of them when it has one row)."""
+        """Index into bias.view(-1, Bq, L) of blocks i0 .. i1-1: bias has a row per head
+        (B * H rows), or is shared by the heads of a batch row (B rows), or by all (1 row)."""
         i = torch.arange(i0, i1, device=self.device)
         return (i // self.nb) // (self.G // bias.shape[0]) * self.nb + i % self.nb
 
@@ -248,7 +252,7 @@ class BandAttention(torch.autograd.Function):
     buffers (fresh pages cost as much as the matmuls here).
 
     q (G, T, D) already scaled; k, v (G, S, D); bias None (the window's mask only) or
-    (1 or B, nb, Bq, L), masking included, shared by the heads of a batch row."""
+    (R, nb, Bq, L), R = 1, B or G rows, masking included (see `Band.bias_rows`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, band):
@@ -607,7 +611,7 @@ def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_fr
 
 def _banded(q, k, v, off, window, scale, bias, t0):
     """Causal (window None) or windowed attention of q (queries t0 .. of the caller) with an
-    optional bias(b, t, dist), evaluated on the band's geometry."""
+    optional bias(b, h, t, dist), evaluated on the band's geometry."""
     B, H, T, D = q.shape
     if window is None or window >= off + T - 1:
         if bias is None:
@@ -615,10 +619,12 @@ def _banded(q, k, v, off, window, scale, bias, t0):
         window = off + T - 1  # a band holding every causal key
     band = Band(B * H, T, k.shape[2], off, window, q.device)
     bias_BnbBqL = None
-    if bias is not None:  # bias(b, t, dist) on (B, nb, Bq, L); padded query rows reuse row T-1
-        b = torch.arange(B, device=q.device)[:, None, None, None]
-        t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, band.nb, band.Bq, 1)
-        bias_BnbBqL = band.mask_bias() + bias(b, t, band.dist).float()
+    if bias is not None:  # bias(b, h, t, dist) on (B or 1, H or 1, nb, Bq, L), heads flattened
+        b = torch.arange(B, device=q.device)[:, None, None, None, None]
+        h = torch.arange(H, device=q.device)[None, :, None, None, None]
+        t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, 1, band.nb, band.Bq, 1)
+        # padded query rows reuse row T-1; rows of the bias: per batch row or per (b, h)
+        bias_BnbBqL = band.mask_bias() + bias(b, h, t, band.dist).float().flatten(0, 1)
     out = BandAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias_BnbBqL, band)
     return out.view(B, H, T, D)
 
@@ -736,10 +742,30 @@ def block_mask(T, S, q_start, k_start, window, window_from, device):
     return _block_masks[key]
 
 
+def per_row(x, B, T):
+    """(B, H, T, ...) contiguous copy of a per-head tensor x (H, ...): one element per query
+    row, for a score_mod to read at [b, h, i]. Why: on CUDA, the gradient of a captured
+    tensor is an atomic add from every score that reads it into the element it reads. Read
+    by head alone (w2[h], b2[h], scale[h]), one element takes the adds of B * T * S scores
+    (millions at T = 1024); read by row, those of one query's keys. Autograd then sums the
+    rows outside the kernel (the expand's backward)."""
+    return x[None, :, None].expand(B, -1, T, *x.shape[1:]).contiguous()
+
+
+def units(x):
+    """x (..., r) -> r contiguous tensors (...): inductor allows a score_mod to index a
+    captured tensor that needs a gradient only once (torch 2.13, validate_joint_graph in
+    torch/_inductor/kernel/flex/flex_attention.py raises NotImplementedError otherwise, at
+    the first backward on a GPU), so a score_mod that loops over hidden units reads one
+    tensor per unit."""
+    return x.movedim(-1, 0).contiguous().unbind(0)
+
+
 def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """attention.attention: flash SDPA where no window, bias or per-head scale applies,
     else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
-    T, S = q.shape[2], k.shape[2]
+    B, H, T = q.shape[:3]
+    S = k.shape[2]
     q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
     if window is not None and (window >= q_start + T - 1 - k_start or q_start + T - 1 < window_from):
@@ -748,11 +774,13 @@ def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from
         return causal_attention(q, k, v, key_offset(q, k, q_start, k_start), scale)
     score_mod = None
     if bias is not None or head_scale is not None:
+        scale_rows = None if head_scale is None else per_row(head_scale, B, T)  # (B, H, T)
+
         def score_mod(score, b, h, i, j):
-            if head_scale is not None:  # a per-head scale, captured (it may need a gradient)
-                score = score * head_scale[h]
+            if scale_rows is not None:  # a per-head scale, captured (it may need a gradient)
+                score = score * scale_rows[b, h, i]
             if bias is not None:
-                score = score + bias(b, i, (q_start + i) - (k_start + j))
+                score = score + bias(b, h, i, (q_start + i) - (k_start + j))
             return score
     mask = block_mask(T, S, q_start, k_start, window, window_from, q.device)
     return _run_flex(q, k, v, score_mod, mask, scale)
@@ -762,18 +790,24 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     """attention.pair_gated_attention: the gate is a score_mod reading the captured per-query
     and per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention,
     not even one (T, S) score tile outlives its block)."""
-    T, S = q.shape[2], k.shape[2]
+    B, H, T = q.shape[:3]
+    S = k.shape[2]
     q, k, v = _same_dtype(q, k, v)
-    r = q_term.shape[-1]
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
+    # Every captured tensor is read once, by row ([b, h, i]) or by key ([b, h, j]): see
+    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them.
+    q_units, k_units = units(q_term), units(k_term)
+    w2_units = units(per_row(w2, B, T))
+    b2_rows = per_row(b2, B, T)
+    scale_rows = None if head_scale is None else per_row(head_scale, B, T)
 
     def gate(score, b, h, i, j):
-        if head_scale is not None:
-            score = score * head_scale[h]
+        if scale_rows is not None:
+            score = score * scale_rows[b, h, i]
         # [ASGA] eq. 1, one hidden unit at a time: pointwise, as a score_mod must be
-        z = b2[h]
-        for c in range(r):
-            z = z + w2[h, c] * F.gelu(q_term[b, h, i, c] + k_term[b, h, j, c])
+        z = b2_rows[b, h, i]
+        for q_c, k_c, w2_c in zip(q_units, k_units, w2_units):
+            z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
         return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
 
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
