@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import sys
+import zipfile
 from dataclasses import dataclass, fields
 
 import torch
@@ -280,6 +281,28 @@ def save_checkpoint(path, ckpt):
         os.close(fd)
 
 
+def check_checkpoint_format(path):
+    """A clear error for a file that is no checkpoint at all (a text file, a data shard, a
+    .zip of something else) or a checkpoint cut short, before torch.load reports it as a
+    refused pickle. torch.save writes a zip archive holding `<name>/data.pkl`; files from
+    torch < 1.6 are a bare pickle, which starts with the PROTO opcode 0x80."""
+    fix = "give a run folder holding ckpt.pt (e.g. out/run) or the ckpt.pt file train.py wrote"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] != b"PK" and head[:1] != b"\x80":
+        raise CheckpointError(f"{path}: not a checkpoint: torch.save writes a zip archive, and this "
+                              f"file starts with {head!r}; {fix}")
+    if head[:2] == b"PK":
+        if not zipfile.is_zipfile(path):
+            raise CheckpointError(f"{path}: a damaged checkpoint: the zip archive has no end (cut "
+                                  f"short by a copy still in progress or a full disk?); copy it again, "
+                                  f"or resume from the run folder, whose ckpt.pt is written atomically")
+        with zipfile.ZipFile(path) as z:
+            if not any(name.split("/")[-1] == "data.pkl" for name in z.namelist()):
+                raise CheckpointError(f"{path}: not a checkpoint: a zip archive without the data.pkl "
+                                      f"that torch.save writes; {fix}")
+
+
 def read_checkpoint(path, device="cpu"):
     """A run folder (holding ckpt.pt) or a checkpoint file -> the checkpoint dict.
 
@@ -290,6 +313,7 @@ def read_checkpoint(path, device="cpu"):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such checkpoint (give a run folder holding ckpt.pt, "
                               f"or the .pt file itself)")
+    check_checkpoint_format(path)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
