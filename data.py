@@ -49,10 +49,21 @@ class ShardError(ValueError):
     problem and the fix."""
 
 
+class NoShards(ShardError):
+    """No data folder, or no shards of a split in it. `problem` is the message without the
+    fix, for a caller that knows which tokenizer the run needs (train.py names its command)."""
+
+    def __init__(self, problem, data_dir):
+        super().__init__(f"{problem}; {_remake_hint(data_dir)}")
+        self.problem = problem
+
+
 def _remake_hint(data_dir):
-    return (f"make shards with `python data.py --source=fineweb --out_dir={data_dir} "
-            f"--max_tokens=20000000` (needs internet) or from local files with "
-            f"`python data.py --source='path/to/*.jsonl' --out_dir={data_dir}`")
+    return (f"make shards for a byte model (train.py's CPU preset) with `python data.py --tokenizer=byte "
+            f"--source=fineweb --out_dir={data_dir} --max_tokens=20000000`, for a GPT-2 BPE model "
+            f"(the GPU presets) with `python data.py --source=fineweb-gpt2 --out_dir={data_dir} "
+            f"--shards=27` (both need internet), or from local files with `python data.py "
+            f"[--tokenizer=byte] --source='path/to/*.jsonl' --out_dir={data_dir}`")
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -170,13 +181,12 @@ def load_shard(path):
 def find_shards(data_dir, split):
     """Sorted paths of `*_{split}_*.bin` in data_dir; a clear error if there are none."""
     if not os.path.isdir(data_dir):
-        raise ShardError(f"data folder {data_dir} does not exist; {_remake_hint(data_dir)}")
+        raise NoShards(f"data folder {data_dir} does not exist", data_dir)
     # The split is the second-to-last `_` field, so a prefix may itself contain "_train".
     paths = sorted(p for p in glob.glob(os.path.join(data_dir, f"*_{split}_*.bin"))
                    if os.path.basename(p).rsplit("_", 2)[1] == split)
     if not paths:
-        raise ShardError(f"no {split} shards (*_{split}_*.bin) in data folder {data_dir}; "
-                         f"{_remake_hint(data_dir)}")
+        raise NoShards(f"no {split} shards (*_{split}_*.bin) in data folder {data_dir}", data_dir)
     return paths
 
 

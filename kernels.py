@@ -4,6 +4,7 @@
   pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
+  block_attention(q, k, v, scale, q_start, k_start, block, blocks)
 
 (attention.py documents what each computes; the variants there call them.) Two sets:
 
@@ -50,6 +51,13 @@ here and the loops write into float32 buffers):
   s queries and span logits (s, R) against the R block summaries, one softmax: time and
   memory O(T (s + R)), never (T, S). A chunk of blocks at a time, each recomputed in the
   backward (memory O(T D) plus one chunk).
+- block attention (nsa's selected branch, moba): `block_gather`. A chunk of queries at a
+  time gathers the n blocks each query lists, (chunk, n * block) keys, one softmax; each
+  chunk recomputed in the backward. Time O(T n block D), memory O(T D) plus one chunk.
+FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
+blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
+128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
+the data, so it is never cached by shape.
 
 Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
@@ -62,10 +70,10 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 NEG_INF = float("-inf")
-Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention")
+Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention")
 
 
 def expand_kv(k_BHSD, n_head):
@@ -630,6 +638,52 @@ def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
             + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
 
 
+# ---------------------------------------------------------------------------- BLOCKWISE: block attention
+
+BLOCK_GATHER = 1 << 21  # gathered key elements of one chunk of queries (8 MB in float32)
+
+
+def block_gather(q, k, v, blocks, off, block, first):
+    """attention.block_attention for q (B, H, T, D) already scaled and k, v (B, H, S, D)
+    whose key s sits at absolute position first + s, query t at first + off + t. blocks
+    (B, H, T, n): absolute block numbers, -1 = none. Keys are padded to whole absolute
+    blocks, then each query gathers its n blocks: (chunk, n, block, D) at a time, each chunk
+    checkpointed (its gathered keys are rebuilt in the backward, not kept)."""
+    B, H, T, D = q.shape
+    S, n = k.shape[2], blocks.shape[-1]
+    before = first % block  # positions of block first // block that precede the first key
+    kb = to_blocks(F.pad(k, (0, 0, before, 0)), block)  # (B, H, nb, block, D), block 0 = first // block
+    vb = to_blocks(F.pad(v, (0, 0, before, 0)), block)
+    step = max(1, BLOCK_GATHER // (B * H * n * block * D))
+    run = _block_gather_chunk
+    if step < T and torch.is_grad_enabled():
+        run = functools.partial(torch.utils.checkpoint.checkpoint, _block_gather_chunk, use_reentrant=False)
+    return torch.cat([run(q[:, :, t0:t0 + step], kb, vb, blocks[:, :, t0:t0 + step], first + off + t0, first, S, block)
+                      for t0 in range(0, T, step)], dim=2)
+
+
+def _block_gather_chunk(q, kb, vb, blocks, q_first, first, S, block):
+    """block_gather for the queries q (B, H, c, D) at positions q_first .."""
+    B, H, c, D = q.shape
+    nb = kb.shape[2]
+    rel = blocks - first // block  # (B, H, c, n) block index in kb
+    ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
+    earlier = torch.ones(blocks.shape[-1], blocks.shape[-1], dtype=torch.bool, device=q.device).tril(-1)
+    ok = ok & ~((blocks[..., :, None] == blocks[..., None, :]) & earlier).any(-1)  # a block listed twice counts once
+    rel = rel.clamp(0, nb - 1)
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    h = torch.arange(H, device=q.device)[None, :, None, None]
+    keys, values = kb[b, h, rel], vb[b, h, rel]  # (B, H, c, n, block, D)
+    pos = blocks[..., None] * block + torch.arange(block, device=q.device)  # (B, H, c, n, block)
+    q_pos = q_first + torch.arange(c, device=q.device)[:, None, None]  # (c, 1, 1)
+    mask = ok[..., None] & (pos <= q_pos) & (pos >= first) & (pos < first + S)
+    logits = torch.einsum("bhcd,bhcnsd->bhcns", q, keys).flatten(-2)  # (B, H, c, n * block)
+    mask = mask.flatten(-2)
+    some = mask.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
+    p = torch.softmax(logits.masked_fill(~mask, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    return torch.einsum("bhcns,bhcnsd->bhcd", p.view(B, H, c, -1, block), values)
+
+
 # ---------------------------------------------------------------------------- BLOCKWISE: the core ops
 
 def _float32(*tensors):
@@ -722,8 +776,18 @@ def blockwise_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, b
         return combiner_blocks(q, k, v, kbar, vbar, first // block, block, scale)[:, :, q_start - first:]
 
 
+def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """attention.block_attention through `block_gather`."""
+    with torch.autocast(q.device.type, enabled=False):
+        off = key_offset(q, k, q_start, k_start)
+        H = q.shape[1]
+        q, k, v = _float32(q * scale, expand_kv(k, H), expand_kv(v, H))
+        return block_gather(q, k, v, blocks, off, block, k_start)
+
+
 BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attention,
-                blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention)
+                blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention,
+                blockwise_block_attention)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -932,5 +996,50 @@ def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
     return _run_flex(q, keys, values, None, mask, scale)
 
 
+FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger
+
+
+def selection_block_mask(blocks, T, S, q_start, k_start, block):
+    """FlexAttention's BlockMask for attention.block_attention, built from kv-tile lists: a
+    query tile's list is the union of the key tiles its queries' blocks touch (causal ones
+    only), and the exact rule is the mask_mod, which reads the (B, H, T, blocks) selection."""
+    B, H, _, n = blocks.shape
+    device = blocks.device
+    n_blocks = ceil_div(k_start + S, block)
+    slot = torch.where(blocks < 0, n_blocks, blocks)  # -1 -> a spare column, dropped
+    selected = torch.zeros(B, H, T, n_blocks + 1, dtype=torch.bool, device=device)
+    selected = selected.scatter_(-1, slot, True)[..., :n_blocks]  # (B, H, T, blocks)
+
+    def mask_mod(b, h, i, j):
+        k_pos = k_start + j
+        return (k_pos <= q_start + i) & selected[b, h, i, k_pos // block]
+
+    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
+    # key tiles of each selected block: from its first key's tile to its last's
+    lo = (blocks * block - k_start).clamp(0, S - 1)
+    hi = (blocks * block + block - 1 - k_start).clamp(0, S - 1)
+    q_pos = q_start + torch.arange(T, device=device)[:, None]
+    hi = torch.minimum(hi, q_pos - k_start)  # no tile after the query's own key
+    touched = torch.zeros(B, H, T, nk + 1, dtype=torch.bool, device=device)
+    for r in range(ceil_div(block, FLEX_TILE) + 1):
+        tile = lo // FLEX_TILE + r
+        use = (blocks >= 0) & (blocks * block + block - 1 >= k_start) & (tile <= hi // FLEX_TILE)
+        touched.scatter_(-1, torch.where(use, tile, nk), True)
+    touched = F.pad(touched[..., :nk], (0, 0, 0, nq * FLEX_TILE - T))  # (B, H, nq * tile, nk)
+    tiles = touched.view(B, H, nq, FLEX_TILE, nk).any(3)  # (B, H, nq, nk)
+    kv_num = tiles.sum(-1, dtype=torch.int32)
+    kv_idx = tiles.int().argsort(dim=-1, descending=True, stable=True).int()  # listed tiles first
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
+
+
+def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """attention.block_attention: one FlexAttention call on `selection_block_mask`, rebuilt
+    in every call from this call's selection."""
+    T, S = q.shape[2], k.shape[2]
+    q, k, v = _same_dtype(q, k, v)
+    mask = selection_block_mask(blocks, T, S, q_start, k_start, block)
+    return _run_flex(q, k, v, None, mask, scale)
+
+
 FLEX = Ops("FlexAttention + SDPA (kernels.py)", flex_attention_op, flex_pair_gated_attention,
-           flex_topk_attention, flex_combiner_attention)
+           flex_topk_attention, flex_combiner_attention, flex_block_attention)

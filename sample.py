@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from model import CheckpointError, load_checkpoint
-from train import fail, parse_flags
+from train import cuda_missing, fail, parse_flags
 
 EOT = 50256  # GPT-2 <|endoftext|>: an empty prompt starts a new document, as in training
 
@@ -143,6 +143,8 @@ def main(argv=None):
     device = args["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and cuda_missing():
+        fail(f"sample.py: {cuda_missing()}")
     try:
         model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"])
     except CheckpointError as e:

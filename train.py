@@ -121,16 +121,21 @@ class TrainConfig:
 #  - qwen-134m, the GPU default, is ours: the papers' model at 1024 tokens, a global batch of
 #    2^19 tokens (as nanoGPT's GPT-2 runs), 5000 steps = 2.6B tokens, about 20 tokens per
 #    parameter (the compute-optimal ratio of Hoffmann et al., 2022).
-#  - cpu is ours: the 0.9M-parameter `bytes` model on byte shards, about 5 minutes on 2 cores.
+#  - cpu is ours: the 0.9M-parameter `bytes` model on byte shards, a few minutes on 2 cores.
 # Every preset not stating them uses the defaults above: warm-up then cosine to 0.1 x lr,
 # AdamW betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.
 TRAIN_PRESETS = {
     # The main CPU command, on byte shards (data.py --tokenizer=byte): 4.1M bytes through the
-    # 0.9M-parameter `bytes` model. On a 20 MB FineWeb slice: val 1.83 nats per byte against a
-    # unigram baseline of 3.24, samples made of English words, 6.4 min on 2 cores
-    # (assets/sample_cpu.txt).
+    # 0.9M-parameter `bytes` model (its figures: assets/cpu_main_job.txt). The windows are
+    # shorter than the 256-byte sequence, so that `local`, `dsa`, `asga_gate=fixed` and caa's
+    # local branch differ from `full`: the papers' W = 256 of 1024 tokens is a quarter of the
+    # sequence, as 64 of 256 is; caa's width range keeps its paper's [W, 2W]; dsa's adaptive
+    # threshold keeps [DSA-A]'s 512 of 1024 (half the positions attend fully).
     "cpu": dict(model="bytes", data_dir="data/bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
-                warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250),
+                warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250,
+                window=64, caa_window_max=128, dsa_threshold=128,
+                # nsa and moba sized for T = 256 (the GPU defaults in model.py are for T = 1024)
+                nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=16, nsa_topk=5, nsa_window=32, moba_block=16),
     "qwen-134m": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
                       total_batch_tokens=2**19, lr=6e-4, warmup_steps=200, max_steps=5000,
                       eval_every=250, val_tokens=2**20, ckpt_every=500, compile=True),
@@ -221,6 +226,19 @@ def parse_flags(argv, groups, program, positional=False, choices=None, doc=""):
     return given, rest
 
 
+def cuda_missing():
+    """Why --device=cuda cannot run on this machine, with the fix; None when it can."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return (f"--device=cuda, but CUDA is not available: this torch {torch.__version__} is a "
+                f"CPU-only build; install the CUDA build for your driver (https://pytorch.org, see "
+                f"the README's Install), or pass --device=cpu (or auto)")
+    return (f"--device=cuda, but CUDA is not available: torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}) sees no GPU; check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or pass "
+            f"--device=cpu (or auto)")
+
+
 def resolve_device(name):
     """auto -> cuda when a GPU is visible, else cpu; cuda -> cuda:LOCAL_RANK."""
     if name == "auto":
@@ -255,7 +273,19 @@ def parse_args(argv):
             fail(f"--{key}={getattr(tc, key)}: must be at least 1")
     model_keys = {k: v for k, v in given.items() if k in MODEL_DEFAULTS}
     model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
-    return tc, model_config(tc, model_keys), set(given)
+    mc = model_config(tc, model_keys)
+    check_budget(mc, tc.seq_len)
+    return tc, mc, set(given)
+
+
+def check_budget(mc, seq_len):
+    """nsa and moba select blocks: a selection covering the whole sequence is dense attention."""
+    if mc.attn == "nsa" and mc.nsa_topk * mc.nsa_block > seq_len:
+        fail(f"--nsa_topk={mc.nsa_topk} x --nsa_block={mc.nsa_block} = {mc.nsa_topk * mc.nsa_block} keys > "
+             f"seq_len={seq_len}: the selection would be dense; use nsa_topk in 3 .. {max(3, seq_len // mc.nsa_block)}")
+    if mc.attn == "moba" and mc.moba_topk * mc.moba_block > seq_len:
+        fail(f"--moba_topk={mc.moba_topk} x --moba_block={mc.moba_block} = {mc.moba_topk * mc.moba_block} keys > "
+             f"seq_len={seq_len}: the selection would be dense; use moba_topk in 1 .. {max(1, seq_len // mc.moba_block)}")
 
 
 def model_config(tc, overrides):
@@ -304,6 +334,8 @@ def set_up(tc):
     dtype = tc.dtype if tc.dtype != "auto" else ("bfloat16" if cuda else "float32")
     if not tc.dry_run:
         if cuda:
+            if cuda_missing():
+                fail(cuda_missing())
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             if torch.cuda.device_count() < local_world:
                 fail(f"{local_world} processes per node need {local_world} GPUs, but "
@@ -366,21 +398,69 @@ def train_tokens_found(data_dir):
         return None, str(e)
 
 
-def print_plan(tc, mc, run, accum, resumed):
-    """The run's plan, printed once (rank 0) before the first step, with the data budget."""
+DRY_RUN_ACTIONS = {"start": "start a new run in", "resume": "resume the run in", "refuse": "refuse"}
+FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "holds a run it may not use: see below"}
+
+
+def window_plan(mc, seq_len):
+    """(what a query of a seq_len-token sequence sees under mc's variant, printed in the plan;
+    a warning when a window covers the whole sequence, so the variant is full attention, or None)."""
+    T, W, v = seq_len, mc.window, mc.attn
+    of = f", of a {T}-token sequence"
+    covers = (f"{v}: window {W} covers the whole {T}-token sequence (a query has at most {T - 1} keys "
+              f"before it), so it computes full attention; pass --window below {T - 1}") if W >= T - 1 else None
+    if v == "local" or (v == "asga" and mc.asga_gate == "fixed"):
+        return f"{W} keys back{of}", covers
+    if v == "dsa" and mc.dsa_window == "fixed":
+        return f"{W} keys back for every query{of}", covers
+    if v == "dsa" and mc.dsa_window == "adaptive":
+        line = f"{W} keys back for queries at positions >= {mc.dsa_threshold} (dsa_threshold), every key below it{of}"
+        if mc.dsa_threshold >= T:
+            return line, (f"dsa: dsa_threshold {mc.dsa_threshold} >= seq_len {T}: no query is windowed, so it "
+                          f"computes full attention; pass --dsa_threshold below {T}")
+        return line, covers
+    if v == "caa":
+        topk = "k_i = ceil(sqrt(i + 1))" if mc.caa_topk == "sqrt" else "every key (caa_topk=all)"
+        line = (f"local branch {W} to {mc.caa_window_max} keys back (learned per token, soft edge "
+                f"{mc.caa_tau:g}), global branch top-k {topk}, gate {mc.caa_gate}{of}")
+        return line, (covers.replace("so it computes full attention", "so its local branch is full attention")
+                      if covers and mc.caa_gate != "global" else None)
+    if v == "combiner":
+        return (f"blocks of {W} keys, plus one summary per completed block{of}",
+                f"combiner: block {W} >= seq_len {T}: one block, so it computes full attention; pass "
+                f"--window below {T}" if W >= T else None)
+    gate = "a learned pair gate on " if v == "asga" and mc.asga_gate == "learned" else ""
+    return f"none: {gate}every key j <= i{of}", None
+
+
+def shards_command(tc, mc, local=False):
+    """The data.py command that makes enough shards for this run in tc.data_dir: bytes for a
+    byte model (vocab_size <= 256, or a folder recorded as bytes), else GPT-2 BPE tokens.
+    local: from the user's own text files instead of a download."""
+    recorded = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE))
+    byte = (data.tokenizer_of(tc.data_dir)[0] if recorded else "byte" if mc.vocab_size <= 256 else "gpt2") == "byte"
+    if local:
+        return f"python data.py {'--tokenizer=byte ' if byte else ''}--source='path/to/*.jsonl' --out_dir={tc.data_dir}"
+    planned = tc.max_steps * tc.total_batch_tokens
+    if byte:  # data.py's --max_tokens counts the val shard too (a tenth, at most 10M): leave room for it
+        total = planned + min(10_000_000, math.ceil(planned / 9))
+        return f"python data.py --tokenizer=byte --source=fineweb --out_dir={tc.data_dir} --max_tokens={math.ceil(total / 1e6) * 1_000_000}"
+    return f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={math.ceil(planned / SHARD_TOKENS)}"
+
+
+def print_plan(tc, mc, run, accum, action):
+    """The run's plan, printed once (rank 0) before the first step, with the data budget;
+    action: what the run does with out_dir (folder_action)."""
     with torch.device("meta"):  # the parameter count without allocating the weights
         n_params = Model(mc).num_params()
     planned = tc.max_steps * tc.total_batch_tokens
     found, problem = train_tokens_found(tc.data_dir)
-    recorded = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE))
-    if (data.tokenizer_of(tc.data_dir)[0] if recorded else "byte" if mc.vocab_size <= 256 else "gpt2") == "byte":
-        make = f"python data.py --tokenizer=byte --source=fineweb --out_dir={tc.data_dir} --max_tokens={planned}"
-    else:  # GPT-2 tokens: the public pre-tokenized shards
-        make = f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={math.ceil(planned / SHARD_TOKENS)}"
+    make = shards_command(tc, mc)
     if found is None:
         data_line = f"no shards found at {tc.data_dir}" + (f" ({problem})" if "does not exist" not in problem else "")
     else:
         data_line = f"{found:,} training tokens found in {tc.data_dir}: {planned / found:.2f} epochs"
+    window_line, window_warning = window_plan(mc, tc.seq_len)
     precision = ("bfloat16 autocast, float32 master weights" if run["dtype"] == "bfloat16" else "float32")
     if run["device"].startswith("cuda"):
         precision += ", TF32 matmuls"
@@ -389,15 +469,18 @@ def print_plan(tc, mc, run, accum, resumed):
         f"precision   {precision}",
         f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
         f"attention   {mc.attn}, {attention_path(mc, run['device'])}",
+        f"window      {window_line}",
         f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
         f"x {run['world']} process(es) x {accum} accumulation",
         f"steps       {tc.max_steps:,}" + (f" (this job stops after {tc.stop_step:,})" if tc.stop_step else "")
         + f", lr {tc.lr:g}, warm-up {tc.warmup_steps}, cosine to {tc.min_lr_frac:g} x lr",
         f"tokens      {planned:,} planned; {data_line}",
         f"compile     {'on' if tc.compile else 'off'}",
-        f"run folder  {tc.out_dir} ({'resuming' if resumed else 'new run'})",
+        f"run folder  {tc.out_dir} ({FOLDER_LINES[action]})",
     ]
     print("plan\n  " + "\n  ".join(lines), flush=True)
+    if window_warning:
+        print(f"warning: {window_warning}", flush=True)
     if found is None:
         print(f"warning: no shards found at {tc.data_dir}; this run needs {planned:,} tokens: {make}", flush=True)
     elif planned > found:
@@ -455,22 +538,42 @@ def set_rng_state(state, device):
     random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
-def resuming(tc, ckpt_path):
-    """Whether this job continues the run in out_dir (True) or starts a new one (False).
+def folder_action(tc, ckpt_path, mc=None):
+    """What the run does with out_dir -> ("start" | "resume" | "refuse", why it refuses).
 
     --resume=false refuses a folder that already holds a run, --resume=true a folder that
     holds none, --resume=auto takes whichever applies. A torchrun restart (the group was
-    restarted after a worker died) resumes as auto, whatever the command line says."""
+    restarted after a worker died) resumes as auto, whatever the command line says. Given mc,
+    a run of another model config (its config.json) is refused too, as `resume` would."""
     mode, exists = tc.resume, os.path.exists(ckpt_path)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         mode = "auto"
     if mode == "false" and exists:
-        fail(f"{tc.out_dir} already holds a run (ckpt.pt); pass --resume=True to continue it, "
-             f"or choose another --out_dir")
+        return "refuse", (f"{tc.out_dir} already holds a run (ckpt.pt); pass --resume=True to continue "
+                          f"it, or choose another --out_dir")
     if mode == "true" and not exists:
-        fail(f"--resume=True but {ckpt_path} does not exist; drop --resume (or use --resume=auto) "
-             f"to start a new run")
-    return exists
+        return "refuse", (f"--resume=True but {ckpt_path} does not exist; drop --resume (or use "
+                          f"--resume=auto) to start a new run")
+    if exists and mc is not None:
+        try:
+            with open(os.path.join(tc.out_dir, "config.json")) as f:
+                saved = json.load(f)["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = {}  # no readable config.json: resume() checks the checkpoint itself
+        changed = {k: (v, getattr(mc, k, None)) for k, v in saved.items() if getattr(mc, k, None) != v}
+        if changed:
+            return "refuse", (f"the model config differs from the run in {tc.out_dir}: {changed} "
+                              f"(saved, now); resume with the same model settings or choose another --out_dir")
+    return ("resume" if exists else "start"), None
+
+
+def resuming(tc, ckpt_path):
+    """Whether this job continues the run in out_dir (True) or starts a new one (False);
+    a folder it may not use is an error (folder_action says why)."""
+    action, why = folder_action(tc, ckpt_path)
+    if action == "refuse":
+        fail(why)
+    return action == "resume"
 
 
 def resume(ckpt_path, mc, raw_model, optimizer, loader, device):
@@ -584,11 +687,14 @@ def evaluate(model, raw_model, val_loader, gate_x, run):
 
 # ----------------------------------------------------------------------------- the run's parts
 
-def open_data(tc, run):
+def open_data(tc, mc, run):
     """The training loader and the fixed validation prefix of this rank."""
     try:
         loader = data.DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, run["rank"], run["world"], tc.seed)
         val_loader = data.ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, run["rank"], run["world"])
+    except data.NoShards as e:  # name the command that makes this run's kind of tokens
+        fail(f"{e.problem}; make its shards with `{shards_command(tc, mc)}` (needs internet), or from "
+             f"local text files with `{shards_command(tc, mc, local=True)}`", code=1)
     except data.ShardError as e:
         fail(str(e), code=1)
     return loader, val_loader
@@ -654,18 +760,25 @@ def main(argv=None):
     log = print if master else (lambda *a, **k: None)
     tc, accum, note = fit_batch(tc, world, typed)
     ckpt_path = os.path.join(tc.out_dir, "ckpt.pt")
-    resumed = resuming(tc, ckpt_path)
 
-    # -- plan: printed once, before anything is loaded; a dry run stops here
+    # -- plan: printed once, before anything is loaded; a dry run prints it whatever the
+    # folder holds, says what a real run would do with it, and stops
+    if tc.dry_run:
+        action, why = folder_action(tc, ckpt_path, mc)
+        if master:
+            print_plan(tc, mc, run, accum, action)
+            if note:
+                log(f"note: {note}")
+            log(f"dry run: a real run would {DRY_RUN_ACTIONS[action]} {tc.out_dir}" + (f": {why}" if why else ""))
+        return
+    resumed = resuming(tc, ckpt_path)
     if master:
-        print_plan(tc, mc, run, accum, resumed)
+        print_plan(tc, mc, run, accum, "resume" if resumed else "start")
         if note:
             log(f"note: {note}")
-    if tc.dry_run:
-        return
 
     # -- data, model, optimizer, resume, log
-    loader, val_loader = open_data(tc, run)
+    loader, val_loader = open_data(tc, mc, run)
     os.makedirs(tc.out_dir, exist_ok=True)
     raw_model = Model(mc).to(device)  # unwrapped and uncompiled: its state dict goes in checkpoints
     optimizer = make_optimizer(raw_model, tc)

@@ -1,4 +1,5 @@
-"""Shared test set-up: offline tokenizer files, the corpus location, small text fixtures."""
+"""Shared test set-up: offline tokenizer files, the corpus location, small text fixtures, and
+a check that the suite leaves the checkout as it found it."""
 import os
 import sys
 from pathlib import Path
@@ -60,6 +61,40 @@ ENGLISH = (
 @pytest.fixture
 def english_text():
     return ENGLISH
+
+
+# Folders whose changes are not the tests' doing: git's own, and Python's and pytest's caches.
+NOT_CHECKED = {".git", "__pycache__", ".pytest_cache"}
+
+
+def checkout_files():
+    """{path relative to the checkout: (size, mtime)} of every file in it, the ignored out/ and
+    data/ included (a user's runs and shards live there), less NOT_CHECKED."""
+    files = {}
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in NOT_CHECKED]
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except OSError:  # removed between the listing and the stat
+                continue
+            files[os.path.relpath(path, ROOT)] = (st.st_size, st.st_mtime_ns)
+    return files
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_unchanged():
+    """Every test writes only under its own temporary folders: after the suite, the checkout
+    (committed files, the user's out/ runs and data/ shards) is as the suite found it. A test
+    that planned into out/run or made shards in data/ fails here, naming the files."""
+    before = checkout_files()
+    yield
+    after = checkout_files()
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    assert not changed, (f"the tests changed the checkout (created, modified or removed): {changed[:20]}; "
+                         f"a test must write only under its tmp_path (or files were edited while the "
+                         f"tests ran)")
 
 
 def pytest_configure(config):

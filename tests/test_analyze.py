@@ -195,7 +195,7 @@ def test_unreadable_checkpoint_is_a_note_not_a_crash(tmp_path):
     run = make_run(tmp_path / "dsa", "dsa", [(0, 6.0), (2, 4.5)])
     (run / "ckpt.pt").write_bytes(b"truncated")
     summary = analyze.analyze([analyze.load_run(run)], dict(analyze.DEFAULTS, out_dir=str(tmp_path / "a")))
-    assert any(str(run / "ckpt.pt") in n and "cannot read" in n for n in summary["notes"])
+    assert any(str(run / "ckpt.pt") in n and "not a checkpoint" in n for n in summary["notes"])
     assert "summary.md" in os.listdir(tmp_path / "a")
 
 

@@ -6,11 +6,12 @@ autocast, no graph breaks, and the recorded gate statistics' memory bound.
 Tolerances come from the problem, not from one CPU's rounding (`parity_bound`): every
 comparison also runs the reference in float64, the truth; the path under test may be at most
 RATIO = 16 times as far from it as the float32 reference is, plus a floor of float32's
-rounding in a sum of n terms, 2^-24 sqrt(n) max|truth|, n the length of the longest sum
-(an output: S keys of D-term dot products; a gradient: all B H T S scores' products). So a tensor that float32 itself computes poorly (caa's
+rounding in a sum of n terms, 2^-24 sqrt(n) max|truth|, n the length of the sum (an
+output or a per-position gradient: one row of D-term dot products per head; a parameter's
+gradient: all B H T S scores). So a tensor that float32 itself computes poorly (caa's
 mix-gate gradient when both branches nearly agree, a width bias summed over every score)
 gets a bound as wide as float32's own error, and one it computes well a tight one; the
-same test passes whatever the CPU's vector width (`.ci/run` runs these files under
+same test passes whatever the CPU's vector width (`.ci/run` runs the parity tests under
 ATEN_CPU_CAPABILITY=default and =avx2 as well). FlexAttention has no CPU backward for q, k,
 v: on CPU its forward and the gradients of the gate tensors its score_mod captures are
 checked; q, k, v gradients through it run on CUDA only.
@@ -112,19 +113,24 @@ def parity_bound(ref, truth, n, floor_scale=0.0):
     return RATIO * (ref - truth).abs().max().item() + EPS32 * math.sqrt(n) * scale
 
 
+PER_POSITION = ("q", "k", "v", "x", "kbar", "vbar")  # tensors with one row per position (or block)
+
+
 def rows_against_truth(named, fast, ref, truth, scores, D, cotangent):
     """[(what, max|fast - truth| / scale, bound / scale)]: the output, then each gradient
     (named: their names; a missing gradient is zero), relative to scale = max|truth| (1
-    where truth is identically 0). The sums: an output element's runs over its keys'
-    D-term dot products (n = S D, S = scores[-1]); a parameter's gradient over every score
-    (n = B H T S D, B H T S = numel(scores))."""
+    where truth is identically 0). scores = (B, H, T, S). The sums: an output element's
+    runs over its S keys' D-term dot products (n = S D); a per-position gradient's over a
+    row or column of scores in every head (n = H max(T, S) D); a parameter's over every
+    score (n = B H T S D)."""
+    B, H, T, S = scores
     (out, grads), (ref_out, ref_grads), (true_out, true_grads) = fast, ref, truth
-    pairs = [("output", out, ref_out, true_out, 0.0, scores[-1] * D)]
+    pairs = [("output", out, ref_out, true_out, 0.0, S * D)]
     if true_grads is not None:
         zero = lambda g, like: torch.zeros_like(like) if g is None else g  # noqa: E731
         floor = true_out.abs().max().item() * cotangent.abs().max().item()
-        n = math.prod(scores) * D
-        pairs += [(f"grad {name}", zero(a, t), zero(b, t), zero(c, t), floor, n)
+        pairs += [(f"grad {name}", zero(a, t), zero(b, t), zero(c, t), floor,
+                   H * max(T, S) * D if name in PER_POSITION else B * H * T * S * D)
                   for name, t, a, b, c in zip(named, named.values(), grads, ref_grads, true_grads)]
     rows = []
     for what, a, b, c, floor, n in pairs:
@@ -209,7 +215,7 @@ def test_fused_equals_reference_gqa(attn):
     module = make_module(attn, n_head=4, n_kv_head=2, **WINDOWS["w5"])
     for T in (7, 257):
         check(module, T)
-    if attn != "combiner":  # NEEDS_SUMMARIES
+    if attn not in ("combiner", "nsa", "moba"):  # NEEDS_SUMMARIES; nsa, moba keep every key (k_start = 0)
         check(module, 7, p0=300, k0=150)
 
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -55,12 +56,13 @@ def finish(proc, timeout):
         pytest.fail(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
-def plan(capsys, *args, world=None, monkeypatch=None):
-    """train.py --dry_run=True in this process -> what it printed."""
+def plan(capsys, *args, out, world=None, monkeypatch=None):
+    """train.py --dry_run=True in this process, with its run folder under `out` (a test's
+    tmp_path, never the checkout's out/run) -> what it printed."""
     if world:
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", str(world))):
             monkeypatch.setenv(k, v)
-    train.main(["--dry_run=True", *args])
+    train.main(["--dry_run=True", f"--out_dir={out / 'run'}", *args])
     return capsys.readouterr().out
 
 
@@ -76,52 +78,158 @@ def step_losses(out_dir):
 # ----------------------------------------------------------------------------- defaults and plan
 
 def test_cuda_dry_run_plans_the_papers_model(capsys, tmp_path):
-    out = plan(capsys, "--device=cuda", "--attn=asga", f"--data_dir={tmp_path / 'none'}")
-    params = float(re.search(r"qwen-134m \(([\d.]+)M parameters\)", out).group(1))
-    assert 130 < params < 140, out
-    assert "bfloat16 autocast, float32 master weights, TF32" in out
-    assert "compile     on" in out and "524,288 tokens/step" in out and "asga" in out
-    assert f"no shards found at {tmp_path / 'none'}" in out
+    text = plan(capsys, "--device=cuda", "--attn=asga", f"--data_dir={tmp_path / 'none'}", out=tmp_path)
+    params = float(re.search(r"qwen-134m \(([\d.]+)M parameters\)", text).group(1))
+    assert 130 < params < 140, text
+    assert "bfloat16 autocast, float32 master weights, TF32" in text
+    assert "compile     on" in text and "524,288 tokens/step" in text and "asga" in text
+    assert f"no shards found at {tmp_path / 'none'}" in text
 
 
 def test_cpu_dry_run_plans_the_cpu_default_and_presets_win(capsys, tmp_path):
-    cpu = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}")
+    cpu = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", out=tmp_path)
     assert "preset cpu" in cpu and "float32" in cpu and "bfloat16" not in cpu and "compile     off" in cpu
     if not torch.cuda.is_available():  # no --device: this machine's default is the CPU one
-        assert plan(capsys, f"--data_dir={tmp_path}") == cpu
-    forced = plan(capsys, "--device=cuda", "--preset=cpu", f"--data_dir={tmp_path}")
+        assert plan(capsys, f"--data_dir={tmp_path}", out=tmp_path) == cpu
+    forced = plan(capsys, "--device=cuda", "--preset=cpu", f"--data_dir={tmp_path}", out=tmp_path)
     assert "preset cpu" in forced and "bytes (0.9M parameters)" in forced and "qwen-134m" not in forced
-    paper = plan(capsys, "--device=cpu", "--preset=004", "--max_steps=7", f"--data_dir={tmp_path}")
+    paper = plan(capsys, "--device=cpu", "--preset=004", "--max_steps=7", f"--data_dir={tmp_path}", out=tmp_path)
     assert "qwen-134m" in paper and "preset 004" in paper and "steps       7," in paper
 
 
-def test_data_budget_warning_names_epochs_and_the_shards_to_fetch(capsys, shards):
+def test_data_budget_warning_names_epochs_and_the_shards_to_fetch(capsys, shards, tmp_path):
     step_tokens = train.TRAIN_PRESETS["cpu"]["total_batch_tokens"]
     found = sum(len(data.load_shard(p)) for p in data.find_shards(shards, "train"))  # 179,968
-    out = plan(capsys, "--device=cpu", f"--data_dir={shards}", "--max_steps=1000")
-    assert f"{found:,} training tokens found" in out
-    warning = [line for line in out.splitlines() if line.startswith("warning:")]
-    assert len(warning) == 1 and f"{1000 * step_tokens / found:.2f} epochs" in warning[0], out
+    text = plan(capsys, "--device=cpu", f"--data_dir={shards}", "--max_steps=1000", out=tmp_path)
+    assert f"{found:,} training tokens found" in text
+    warning = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"{1000 * step_tokens / found:.2f} epochs" in warning[0], text
     assert f"python data.py --source=fineweb-gpt2 --out_dir={shards} --shards=1" in warning[0]
-    big = plan(capsys, "--device=cpu", f"--data_dir={shards}", f"--max_steps={250_000_000 // step_tokens}")
+    big = plan(capsys, "--device=cpu", f"--data_dir={shards}", f"--max_steps={250_000_000 // step_tokens}", out=tmp_path)
     assert "--shards=3" in big  # 250M tokens: 3 shards of 100M
-    assert "warning" not in plan(capsys, "--device=cpu", f"--data_dir={shards}", f"--max_steps={found // step_tokens}")
+    assert "warning:" not in plan(capsys, "--device=cpu", f"--data_dir={shards}", f"--max_steps={found // step_tokens}",
+                                 out=tmp_path)
+
+
+@pytest.mark.parametrize("max_steps", [1000, 30_000])  # 4.1M tokens (the cpu preset), 123M (val capped at 10M)
+def test_the_byte_command_the_plan_names_makes_enough_tokens(capsys, tmp_path, max_steps):
+    """data.py's --max_tokens counts the val shard too: the command must leave room for it,
+    or the run it was named for would repeat its data."""
+    text = plan(capsys, "--device=cpu", f"--data_dir={tmp_path / 'none'}", f"--max_steps={max_steps}", out=tmp_path)
+    max_tokens = int(re.search(r"--tokenizer=byte --source=fineweb \S+ --max_tokens=(\d+)", text).group(1))
+    val = min(10_000_000, max(max_tokens // 10, 1))  # data.py's default val shard
+    assert max_tokens - val >= max_steps * train.TRAIN_PRESETS["cpu"]["total_batch_tokens"], text
 
 
 def test_defaults_fit_any_world_size_and_typed_values_do_not(capsys, monkeypatch, tmp_path):
     # cpu default: 16 x 256 x 2 processes = 8192 > 4096 tokens: the global batch stays, batch_size halves
-    out = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", world=2, monkeypatch=monkeypatch)
-    assert "note: batch_size 16 -> 8" in out and "4,096 tokens/step = 8 seq x 256 tokens x 2 process(es) x 1" in out
+    text = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", out=tmp_path, world=2, monkeypatch=monkeypatch)
+    assert "note: batch_size 16 -> 8" in text and "4,096 tokens/step = 8 seq x 256 tokens x 2 process(es) x 1" in text
     # 3 processes cannot split 4096 tokens of 256-token sequences: the global batch moves to
     # the nearest multiple of 16 x 256 x 3
-    out = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", world=3, monkeypatch=monkeypatch)
-    assert "note: total_batch_tokens 4,096 -> 12,288" in out
+    text = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", out=tmp_path, world=3, monkeypatch=monkeypatch)
+    assert "note: total_batch_tokens 4,096 -> 12,288" in text
     # the GPU default on 3 GPUs: 2^19 -> 11 x (16 x 1024 x 3)
-    out = plan(capsys, "--device=cuda", f"--data_dir={tmp_path}", world=3, monkeypatch=monkeypatch)
-    assert "note: total_batch_tokens 524,288 -> 540,672" in out and "x 3 process(es) x 11 accumulation" in out
+    text = plan(capsys, "--device=cuda", f"--data_dir={tmp_path}", out=tmp_path, world=3, monkeypatch=monkeypatch)
+    assert "note: total_batch_tokens 524,288 -> 540,672" in text and "x 3 process(es) x 11 accumulation" in text
     with pytest.raises(SystemExit):  # typed values are the user's: an error, not a silent change
-        plan(capsys, "--device=cpu", "--total_batch_tokens=1024", "--batch_size=8", world=3, monkeypatch=monkeypatch)
+        plan(capsys, "--device=cpu", "--total_batch_tokens=1024", "--batch_size=8", f"--data_dir={tmp_path}",
+             out=tmp_path, world=3, monkeypatch=monkeypatch)
     assert "not divisible" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- windows
+
+WINDOWED = [["--attn=local"], ["--attn=dsa"], ["--attn=dsa", "--dsa_window=fixed"], ["--attn=asga", "--asga_gate=fixed"],
+            ["--attn=caa"], ["--attn=combiner"]]
+
+
+@pytest.mark.parametrize("preset", list(train.TRAIN_PRESETS))
+def test_every_presets_windows_are_shorter_than_its_sequence(preset, tmp_path):
+    for flags in WINDOWED:
+        tc, mc, _ = train.parse_args(["--device=cpu", f"--preset={preset}", f"--data_dir={tmp_path}", *flags])
+        line, warning = train.window_plan(mc, tc.seq_len)
+        assert warning is None and mc.window < tc.seq_len - 1 and mc.dsa_threshold < tc.seq_len, (preset, flags, line)
+        assert f"of a {tc.seq_len}-token sequence" in line and str(mc.window) in line
+
+
+def test_the_plan_prints_each_variants_window_and_warns_when_it_covers_the_sequence(capsys, tmp_path):
+    def window_lines(*flags):
+        text = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", *flags, out=tmp_path)
+        return [l for l in text.splitlines() if l.startswith("  window") or l.startswith("warning: ") and "window" in l]
+    assert window_lines("--attn=local") == ["  window      64 keys back, of a 256-token sequence"]
+    assert window_lines("--attn=dsa") == ["  window      64 keys back for queries at positions >= 128 (dsa_threshold), "
+                                          "every key below it, of a 256-token sequence"]
+    caa, = window_lines("--attn=caa")
+    assert "local branch 64 to 128 keys back" in caa and "top-k k_i = ceil(sqrt(i + 1))" in caa
+    assert window_lines("--attn=full") == ["  window      none: every key j <= i, of a 256-token sequence"]
+    for flags, cause in ((["--attn=local", "--window=255"], "local: window 255 covers the whole 256-token sequence"),
+                         (["--attn=dsa", "--dsa_threshold=256"], "dsa: dsa_threshold 256 >= seq_len 256"),
+                         (["--attn=caa", "--window=300", "--caa_window_max=400"], "caa: window 300 covers"),
+                         (["--attn=combiner", "--window=256"], "combiner: block 256 >= seq_len 256")):
+        warning = window_lines(*flags)[-1]
+        assert warning.startswith(f"warning: {cause}") and "full attention; pass --" in warning, warning
+    assert len(window_lines("--attn=local", "--window=254")) == 1  # 254 keys back: the first key is out of reach
+
+
+def test_local_differs_from_full_under_the_cpu_preset(tmp_path):
+    """The CPU examples' `local` is not full attention: with the same weights, logits agree up
+    to position `window` (every key is within reach) and differ after it."""
+    from model import Model
+    tc, full_cfg, _ = train.parse_args(["--device=cpu", f"--data_dir={tmp_path}", "--vocab_size=256"])
+    local_cfg = replace(full_cfg, attn="local")
+    torch.manual_seed(0)
+    full = Model(full_cfg).eval()
+    local = Model(local_cfg).eval()
+    local.load_state_dict(full.state_dict())
+    x = torch.randint(0, 256, (1, tc.seq_len))
+    with torch.no_grad():
+        a, b = full(x)[0], local(x)[0]  # (1, T, V) logits
+    W = local_cfg.window
+    assert torch.allclose(a[:, : W + 1], b[:, : W + 1], atol=1e-5)
+    assert (a[0, W + 1:] - b[0, W + 1:]).abs().amax(-1).min() > 1e-4  # every later position differs
+
+
+# ----------------------------------------------------------------------------- a used run folder
+
+def used_run_folder(path, **model_changes):
+    """A run folder as a finished `python train.py` leaves it (ckpt.pt, config.json, log.jsonl);
+    the dry run reads only the checkpoint's presence and config.json's model config."""
+    tc, mc, _ = train.parse_args(["--device=cpu", f"--data_dir={path / 'no_data'}"])
+    path.mkdir(parents=True)
+    (path / "ckpt.pt").write_bytes(b"a checkpoint")
+    (path / "config.json").write_text(json.dumps({"model": {**asdict(mc), **model_changes}}))
+    (path / "log.jsonl").write_text('{"step": 1000, "val": 1.83}\n')
+    return path
+
+
+@pytest.mark.parametrize("resume, action", [("false", "refuse"), ("true", "resume the run in"), ("auto", "resume the run in")])
+def test_dry_run_on_a_used_folder_prints_the_plan_and_what_a_run_would_do(capsys, tmp_path, resume, action):
+    run = used_run_folder(tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    train.main(["--dry_run=True", "--device=cpu", f"--data_dir={tmp_path / 'no_data'}", f"--out_dir={run}",
+                f"--resume={resume}"])
+    text = capsys.readouterr().out
+    assert text.startswith("plan\n") and "model       bytes" in text and "tokens      4,096,000 planned" in text
+    assert f"dry run: a real run would {action} {run}" in text, text
+    if action == "refuse":
+        assert "already holds a run (ckpt.pt); pass --resume=True" in text and "holds a run it may not use" in text
+    else:
+        assert f"run folder  {run} (resuming)" in text
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # a dry run writes nothing
+
+
+def test_dry_run_says_a_run_would_start_refuse_an_empty_resume_or_another_model(capsys, tmp_path):
+    args = ["--dry_run=True", "--device=cpu", f"--data_dir={tmp_path / 'no_data'}"]
+    train.main([*args, f"--out_dir={tmp_path / 'new'}"])
+    assert f"dry run: a real run would start a new run in {tmp_path / 'new'}\n" in capsys.readouterr().out
+    train.main([*args, f"--out_dir={tmp_path / 'new'}", "--resume=True"])
+    assert "would refuse" in (text := capsys.readouterr().out) and "ckpt.pt does not exist" in text
+    other = used_run_folder(tmp_path / "other", n_layer=3)  # a run of a 3-layer model; the preset has 4
+    train.main([*args, f"--out_dir={other}", "--resume=True"])
+    text = capsys.readouterr().out
+    assert "would refuse" in text and "model config differs" in text and "'n_layer': (3, 4)" in text, text
+    assert not (tmp_path / "new").exists()  # nothing made
 
 
 # ----------------------------------------------------------------------------- torchrun

@@ -316,3 +316,57 @@ def test_each_ddp_rank_reads_different_sequences(tmp_path):
         assert starts[0] | starts[1] == both
     val = [{int(x[b, 0]) for x, _ in val_loader for b in range(x.shape[0])} for _, val_loader in loaders]
     assert len(val[0]) == len(val[1]) > 0 and not val[0] & val[1], val
+
+
+# ---------------------------------------------------------------------------- learning needs attention
+
+LEARN_VOCAB, PERIOD, LEARN_T = 32, 5, 32
+
+
+def periodic_batch(g, B=16):
+    """Each sequence repeats its own random block of PERIOD tokens: from the second block on,
+    the next token is the one PERIOD - 1 positions back, which only attention can read (the
+    current token says nothing about the next: the block's tokens are independent and
+    uniform). Targets of the first block are ignored (-1)."""
+    block = torch.randint(0, LEARN_VOCAB, (B, PERIOD), generator=g)
+    seq = block.repeat(1, LEARN_T // PERIOD + 2)[:, :LEARN_T + 1]  # (B, T + 1)
+    targets = seq[:, 1:].clone()
+    targets[:, :PERIOD - 1] = -1
+    return seq[:, :-1], targets
+
+
+def learn_periodic(attn, steps=100, remove_attention=False):
+    """Held-out loss of a one-layer model after `steps` AdamW steps on fresh periodic batches
+    (ln 32 = 3.47 is the best any model without attention can do)."""
+    from model import Model
+
+    torch.manual_seed(0)
+    flags = dict(window=8, caa_window_max=16, dsa_threshold=16)
+    model = Model(ModelConfig(**dict(PRESETS["tiny"], n_layer=1, vocab_size=LEARN_VOCAB, attn=attn,
+                                     kernel="ref", **flags)))
+    if remove_attention:
+        for layer in model.modules():
+            if isinstance(layer, VARIANTS["full"]):
+                layer.attend = lambda q, *args: q * 0  # the attention output zeroed
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        _, loss = model(*periodic_batch(g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return model(*periodic_batch(torch.Generator().manual_seed(99), B=64))[1].item()
+
+
+@pytest.mark.parametrize("attn", list(VARIANTS))
+def test_every_variant_learns_a_task_only_attention_can_solve(attn):
+    """100 steps take the held-out loss from ln 32 = 3.47 to below half of it (measured:
+    0.16-0.87, combiner 1.2, whose summaries blur the block it must read)."""
+    assert learn_periodic(attn) < math.log(LEARN_VOCAB) / 2
+
+
+def test_without_attention_the_task_is_not_learned():
+    """The same training with the attention output zeroed stays at ln 32 (measured 3.48):
+    the test above would fail, so it does measure attention."""
+    assert learn_periodic("full", remove_attention=True) > 0.9 * math.log(LEARN_VOCAB)
