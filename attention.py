@@ -15,6 +15,10 @@ References (the short names are used everywhere below):
   [Qwen3] Qwen Team 2025, "Qwen3 Technical Report" (the attention block around every variant).
   [Combiner] Ren et al. 2021, "Combiner: Full Attention Transformer with Sparse Computation
           Cost" (NeurIPS 2021, arXiv 2107.05768) — the "Sparse [Combiner]" row of [CAA]'s table.
+  [NSA]   Yuan et al. 2025, "Native Sparse Attention: Hardware-Aligned and Natively Trainable
+          Sparse Attention" (arXiv 2502.11089).
+  [MoBA]  Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"
+          (arXiv 2502.13189; code: MoonshotAI/MoBA).
 The four method papers report their runs on FineWeb with a 134M-parameter Qwen model; their
 numbers are quoted in the docstrings below with the paper they come from.
 
@@ -31,6 +35,7 @@ Core operations (same signatures in kernels.py, which holds their fused versions
   pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
+  block_attention(q, k, v, scale, q_start, k_start, block, blocks)
 A variant computes its gates, masks and biases once and calls these through
 `self.ops(device)`; which set runs (this file's reference, kernels.py's blockwise CPU path,
 or FlexAttention + SDPA) is decided in `ops` alone. Imports run one way: this file imports
@@ -104,9 +109,15 @@ def allowed(T, S, q_start, k_start, device, window=None, window_from=0):
     return mask
 
 
+def at_least_float32(x):
+    """x in float32, or kept in float64: the softmax runs in float32 at least, and a float64
+    reference stays float64 (the parity tests measure float32's own error against it)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def masked_softmax_attend(logits_BHTS, mask, v_BHSD):
-    """softmax over the allowed keys (in float32), then the weighted sum of values."""
-    logits = logits_BHTS.float().masked_fill(~mask, float("-inf"))
+    """softmax over the allowed keys (in float32 at least), then the weighted sum of values."""
+    logits = at_least_float32(logits_BHTS).masked_fill(~mask, float("-inf"))
     return torch.softmax(logits, dim=-1).to(v_BHSD.dtype) @ v_BHSD
 
 
@@ -117,7 +128,7 @@ def per_head(scale):
 
 def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """(B, H, T, D): softmax_j(q_t . k_j * scale + bias) v over the keys `allowed` (causal,
-    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, t, dist) of the batch index, the
+    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, h, t, dist) of the batch, head and
     query index and the query-minus-key distance (index tensors that broadcast), returning
     the additive logit bias; written once, it is evaluated here on (B, 1, T, S) broadcasts,
     in kernels.py on its blocks or as a FlexAttention score_mod."""
@@ -127,8 +138,9 @@ def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias
     logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
     if bias is not None:
         b = torch.arange(B, device=q.device)[:, None, None, None]
+        h = torch.arange(H, device=q.device)[None, :, None, None]
         t = torch.arange(T, device=q.device)[None, None, :, None]
-        logits = logits + bias(b, t, distances(T, S, q_start, k_start, q.device)[None, None])
+        logits = logits + bias(b, h, t, distances(T, S, q_start, k_start, q.device)[None, None])
     return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device, window, window_from), v)
 
 
@@ -192,8 +204,32 @@ def combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
     return masked_softmax_attend(logits, torch.cat([direct, span], dim=1), values)
 
 
+def softmax_or_zero(logits, mask):
+    """float32 softmax over the allowed entries; a row with none allowed gives all zeros (and
+    zero gradients), as FlexAttention returns for it, instead of NaN."""
+    some = mask.any(-1, keepdim=True)
+    logits = logits.float().masked_fill(~mask, float("-inf")).masked_fill(~some, 0.0)
+    return torch.softmax(logits, dim=-1) * some
+
+
+def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s <= t of the blocks that
+    query t lists, v-weighted ([MoBA] eq. 2; [NSA]'s selected branch, eqs. 11-12).
+    blocks (B, H, T, n) long: absolute block numbers floor(position / block), one list per
+    query head, -1 for an empty slot; no gradient (the choice of blocks is discrete). A query
+    whose blocks hold no visible key gets 0. Builds a (B, H, T, S, n) comparison: reference only."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    key_block = torch.arange(k_start, k_start + S, device=q.device) // block  # (S,)
+    chosen = (blocks[:, :, :, None, :] == key_block[:, None]).any(-1)  # (B, H, T, S)
+    mask = chosen & allowed(T, S, q_start, k_start, q.device)
+    return softmax_or_zero(logits, mask).to(v.dtype) @ v
+
+
 REFERENCE = kernels.Ops("reference (attention.py, dense)", attention, pair_gated_attention, topk_attention,
-                        combiner_attention)
+                        combiner_attention, block_attention)
 
 
 def ops(kernel, device):
@@ -531,8 +567,12 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             if self.record:
                 self.gates["window"] = width.detach()[..., None]
 
-            def boundary(b, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                return F.logsigmoid((width[b, t] - dist) / cfg.caa_tau)
+            # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
+            # atomic adds of one query's keys, not of every head's (kernels.py, "captured")
+            width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
+
+            def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
+                return F.logsigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
             local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
         if cfg.caa_gate != "local":
@@ -569,7 +609,7 @@ def combiner_summaries(qbar, k_blocks, v_blocks, scale):
     kbar = k_blocks.amax(dim=3)  # (B, Hkv, R, D)
     qbar = qbar.view(B, Hkv, H // Hkv, R, D)  # the query heads that share each key head
     logits = torch.einsum("bkgrd,bkrsd->bkgrs", qbar, k_blocks) * scale  # (B, Hkv, g, R, s)
-    p = torch.softmax(logits.float(), dim=-1).to(v_blocks.dtype)
+    p = torch.softmax(at_least_float32(logits), dim=-1).to(v_blocks.dtype)
     vbar = torch.einsum("bkgrs,bkrsd->bkgrd", p, v_blocks)  # (B, Hkv, g, R, D)
     return kbar, vbar.reshape(B, H, R, v_blocks.shape[-1])
 
@@ -661,6 +701,242 @@ class CombinerAttention(CausalSelfAttention):
         return (next_pos - 1) // self.cfg.window * self.cfg.window
 
 
+# ---------------------------------------------------------------------------- block selection (nsa, moba)
+
+def top_blocks(scores, valid, forced, n):
+    """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
+    the slots left when fewer than n are valid. scores (.., T, J) float, valid and forced
+    (T, J) bool. No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    scores = scores.detach().float()
+    scores = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    if scores.shape[-1] < n:  # fewer blocks than slots: the spare slots stay empty
+        scores = F.pad(scores, (0, n - scores.shape[-1]), value=float("-inf"))
+    top, idx = scores.topk(n, dim=-1)
+    return idx.masked_fill(top == float("-inf"), -1)
+
+
+def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """[NSA]'s compressed branch, dense (C compressed keys, C ~ T / stride): compressed key i
+    summarises positions i*stride .. i*stride + length - 1 and is visible to query t once its
+    last position is <= t ([NSA] eq. 7; [xl], [fla] likewise). Returns the output (B, H, T, D)
+    and the probabilities p (B, H, T, C) in float32, which are also the importance scores of
+    eq. 8 (no separate scorer). A query that sees no compressed key gets 0 ([fla-nsa], [xl])."""
+    B, H, T, _ = q.shape
+    C = k_cmp.shape[2]
+    logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
+    q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    visible = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C)
+    p = softmax_or_zero(logits, visible)
+    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), p
+
+
+def block_overlap(C, J, length, stride, block, device):
+    """(C, J): positions compressed block i shares with selection block j, over the stride:
+    [NSA] eq. 9 in its overlap reading ([xl]'s transform_score), the identity when
+    length = stride = block."""
+    start = torch.arange(C, device=device)[:, None] * stride
+    first = torch.arange(J, device=device) * block
+    shared = (torch.minimum(start + length, first + block) - torch.maximum(start, first)).clamp(min=0)
+    return shared.float() / stride
+
+
+class NativeSparseAttention(CausalSelfAttention):
+    """`nsa`: Native Sparse Attention ([NSA]; DeepSeek's 27B-MoE runs, not at our scale).
+
+        o_t = sum_{c in cmp, slc, win} g_t^c Attn(q_t, K_t^c, V_t^c)          ([NSA] eq. 5)
+        cmp: K^cmp_i = phi(k over positions i*d .. i*d + l - 1), visible when i*d + l - 1 <= t
+        slc: p^cmp = softmax(q_t K^cmp) (eq. 8) -> block scores p^slc (eq. 9) -> the top-n
+             blocks of l' positions (eqs. 11-12); raw keys s <= t of those blocks
+        win: the keys t - W <= s <= t (W + 1 keys: `local`'s rule)
+        g_t = sigmoid(W_g x_t + b_g) in R^{3 H}: one gate per branch, head and token (§3.2)
+    Three softmaxes over three key sets, mixed after normalisation (so no single mask).
+
+    The paper says, and what this project chose instead:
+    - phi is a learnable MLP with intra-block position encoding (§3.3.1). Here phi is a mean
+      over the block by default ([fla]'s choice; no parameters, [NSA]'s MLP over l x D inputs
+      costs (l D)^2 weights per layer for K and V); nsa_compress='mlp' is [lr]'s form,
+      mean(block) + Linear(lD->lD) ReLU Linear(lD->D) over the block plus a learned position
+      embedding, its last layer zero-initialised so it starts as the mean. Post-RoPE k pooled.
+    - Eq. 9 as printed indexes backwards; its overlap reading ([xl]) is used: p^slc_j =
+      sum_i p^cmp_i |block i ∩ block j| / d (`block_overlap`). Needs d | l, d | l'.
+    - n counts 3 forced blocks (§4.1: "including fixed activating the 1 initial block and 2
+      local blocks"): block 0, the query's own and the one before ([xl], [fla]).
+    - Eq. 10's sum over a KV group's query heads: one selection per key head.
+    - The paper gives each branch independent keys and values; every reference code shares
+      one projection (nsa_kv='shared', the default). nsa_kv='independent' adds the cmp and
+      win branches' own k, v projections (k_norm and RoPE shared with the main keys).
+    - nsa_branches switches branches off ([NSA] ablates them): e.g. 'slc,win'. The scores
+      still come from the compressed keys when the cmp branch is off.
+    Sizes (`l`, `d`, `l'`, n, W) = nsa_cmp_block, nsa_cmp_stride, nsa_block, nsa_topk,
+    nsa_window; paper: 32, 16, 64, 16, 512 at 8k tokens; defaults here for T = 1024: 16, 8,
+    32, 8, 128 (~512 keys per query at t = 1023); the cpu preset at T = 256: 8, 4, 16, 5, 32.
+    Init (ours): W_g = 0, b_g = 0, every gate 0.5 (the sigmoid's steepest point, like dsa's).
+    The KV cache keeps every key (a later query may select any block).
+    """
+
+    BRANCHES = ("cmp", "slc", "win")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        H, Hkv, D, l = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.nsa_cmp_block
+        self.branches = cfg.nsa_branches.split(",")
+        self.branch_gate = nn.Linear(cfg.d_model, 3 * H)
+        if cfg.nsa_compress == "mlp":
+            self.compress_mlp = nn.ModuleDict({
+                name: nn.Sequential(nn.Linear(l * D, l * D), nn.ReLU(), nn.Linear(l * D, D)) for name in "kv"})
+            self.compress_pos = nn.Parameter(torch.empty(2, l, D))  # intra-block position, for k and v
+        if cfg.nsa_kv == "independent":
+            self.branch_kv = nn.Linear(cfg.d_model, 4 * Hkv * D, bias=False)  # k, v of cmp and of win
+        self.branch_keys = None  # the independent keys of the forward running now (see forward)
+        self.selection = None  # the last recorded selection (B, H, T, n), for analyze.py
+        self.init_gates()
+
+    def init_gates(self):
+        nn.init.zeros_(self.branch_gate.weight)
+        nn.init.zeros_(self.branch_gate.bias)
+        if self.cfg.nsa_compress == "mlp":
+            nn.init.normal_(self.compress_pos, std=0.02)
+            for mlp in self.compress_mlp.values():
+                nn.init.zeros_(mlp[2].weight)
+                nn.init.zeros_(mlp[2].bias)
+
+    def forward(self, x_BTC, cos, sin, start, cache=None):
+        if self.cfg.nsa_kv != "independent":
+            return super().forward(x_BTC, cos, sin, start, cache)
+        B, T, _ = x_BTC.shape
+        kv = self.branch_kv(x_BTC).view(B, T, 4, self.n_kv_head, self.head_dim)
+        k_cmp, v_cmp, k_win, v_win = kv.unbind(2)  # (B, T, Hkv, D) each
+        k_cmp, k_win = (apply_rope(self.k_norm(t).transpose(1, 2), cos, sin) for t in (k_cmp, k_win))
+        extra = [k_cmp, v_cmp.transpose(1, 2), k_win, v_win.transpose(1, 2)]  # (B, Hkv, T, D) each
+        if cache is not None:  # appended like the main keys, which the cache never trims here
+            if "branch_kv" in cache.state:
+                extra = [torch.cat([a, b], 2) for a, b in zip(cache.state["branch_kv"], extra)]
+            cache.state["branch_kv"] = extra
+        self.branch_keys = dict(cmp=extra[:2], win=extra[2:])
+        try:
+            return super().forward(x_BTC, cos, sin, start, cache)
+        finally:
+            self.branch_keys = None
+
+    def compress(self, x_BhSD, which):
+        """(B, Hkv, C, D): phi over the windows [i d, i d + l - 1] inside the S keys."""
+        cfg = self.cfg
+        l, d = cfg.nsa_cmp_block, cfg.nsa_cmp_stride
+        B, Hkv, S, D = x_BhSD.shape
+        if S < l:
+            return x_BhSD.new_zeros(B, Hkv, 0, D)
+        windows = x_BhSD.unfold(2, l, d).transpose(-1, -2)  # (B, Hkv, C, l, D)
+        pooled = windows.mean(3)
+        if cfg.nsa_compress == "mlp":
+            flat = (windows + self.compress_pos["kv".index(which)]).flatten(-2)  # (B, Hkv, C, l * D)
+            pooled = pooled + self.compress_mlp[which](flat).to(pooled.dtype)
+        return pooled
+
+    def select(self, p_cmp, q_start, T, S):
+        """(B, H, T, n) the blocks of nsa_block positions each query reads ([NSA] eqs. 8-12)."""
+        cfg = self.cfg
+        B, H, _, C = p_cmp.shape
+        block = cfg.nsa_block
+        J = ceil_div_int(q_start + T, block)  # blocks up to the last query's own
+        scores = p_cmp.detach() @ block_overlap(C, J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, block, p_cmp.device)
+        Hkv = self.n_kv_head
+        scores = scores.view(B, Hkv, H // Hkv, T, J).sum(2)  # eq. 10: one choice per key head
+        own = torch.arange(q_start, q_start + T, device=p_cmp.device)[:, None] // block  # (T, 1)
+        j = torch.arange(J, device=p_cmp.device)
+        valid = j <= own  # j * block <= t
+        forced = valid & ((j == 0) | (j == own) | (j == own - 1))
+        return expand_kv(top_blocks(scores, valid, forced, cfg.nsa_topk), H)
+
+    def attend(self, q, k, v, x, q_start, k_start):
+        cfg, op = self.cfg, self.ops(q.device)
+        if k_start != 0:
+            raise ValueError(f"nsa needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
+        B, H, T, _ = q.shape
+        k_cmp, v_cmp = self.branch_keys["cmp"] if self.branch_keys else (k, v)
+        k_win, v_win = self.branch_keys["win"] if self.branch_keys else (k, v)
+        o_cmp, p_cmp = compressed_attention(q, self.compress(k_cmp, "k"), self.compress(v_cmp, "v"),
+                                            self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
+        blocks = self.select(p_cmp, q_start, T, k.shape[2])  # (B, H, T, n)
+        out = {"cmp": o_cmp}
+        if "slc" in self.branches:
+            out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
+        if "win" in self.branches:
+            out["win"] = op.attention(q, k_win, v_win, self.scale, q_start, k_start, window=cfg.nsa_window)
+        g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H)  # (B, T, branch, H)
+        if self.record:
+            for i, name in enumerate(self.BRANCHES):
+                self.gates[f"gate_{name}"] = g[:, :, i].detach()
+            self.selection = blocks.detach()
+            self.gates["selected_distance"] = block_distance(blocks, q_start, cfg.nsa_block)
+        g = g.permute(0, 2, 3, 1).unsqueeze(-1)  # (B, branch, H, T, 1)
+        return sum(g[:, self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)
+
+    def oldest_key_needed(self, next_pos):
+        return 0
+
+
+def ceil_div_int(a, b):
+    return -(-a // b)
+
+
+def block_distance(blocks, q_start, block):
+    """(B, T, H) float: the mean, over a query's selected blocks, of how many blocks back
+    from its own each lies (0 = its own block), for the recorded statistics."""
+    T = blocks.shape[2]
+    own = torch.arange(q_start, q_start + T, device=blocks.device)[:, None] // block  # (T, 1)
+    ok = blocks >= 0
+    back = ((own - blocks) * ok).sum(-1) / ok.sum(-1).clamp(min=1)  # (B, H, T)
+    return back.float().transpose(1, 2)
+
+
+class MixtureOfBlockAttention(CausalSelfAttention):
+    """`moba`: Mixture of Block Attention ([MoBA]; Kimi's long-context runs).
+
+        K_bar_j = mean of k over block j (positions j B .. j B + B - 1)
+        s_j = q_t . K_bar_j,  g_j = 1 iff s_j is among the top k          ([MoBA] eqs. 5-6)
+        o_t = softmax over the keys s <= t of the gated blocks of q_t . k_s / sqrt(d), times v
+    One softmax over the union of the selected blocks (eqs. 2-4), no parameters.
+
+    The paper says, and this project follows ([MoBA] §2.2 and MoonshotAI's moba_naive):
+    routing per query token and per head (GQA: per query head); only blocks wholly in the
+    past (j < floor(t / B)) compete; the query's own block is always selected, causal inside,
+    and k counts it ("top-k = 3: at most 2 history blocks and the current block"); the
+    gate uses post-RoPE q, k in float32 and passes no gradient. moba_topk = 1 means the own
+    block alone (the naive code's meaning; MoonshotAI's efficient code would fall back to
+    full attention there). moba_full_last = m makes the last m layers full attention (the
+    paper's layer-wise hybrid, §3.2: 3 of 32 layers for Llama-8B-1M).
+    Sizes: the paper uses B = 512, k = 3 at 8K tokens (Table 1). Here B = moba_block = 64,
+    k = moba_topk = 4 at T = 1024 (at most 256 keys, `local`'s budget at W = 256); the cpu
+    preset at T = 256: B = 16, k = 4 (at most 64 keys). The KV cache keeps every key.
+    """
+
+    def select(self, q, k, q_start, k_start):
+        """(B, H, T, k) the blocks each query reads."""
+        cfg = self.cfg
+        B, H, T, D = q.shape
+        block = cfg.moba_block
+        J = ceil_div_int(q_start + T, block)  # blocks up to the last query's own
+        full = k.shape[2] // block  # complete blocks among the keys (k_start = 0)
+        means = k[:, :, :full * block].float().view(B, k.shape[1], full, block, D).mean(3)  # (B, Hkv, full, D)
+        scores = q.detach().float() @ expand_kv(means.detach(), H).transpose(-2, -1)  # (B, H, T, full)
+        scores = F.pad(scores, (0, J - full))  # the incomplete block, which only its own queries see
+        own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
+        j = torch.arange(J, device=q.device)
+        return top_blocks(scores, j <= own, j == own, cfg.moba_topk)
+
+    def attend(self, q, k, v, x, q_start, k_start):
+        if k_start != 0:
+            raise ValueError(f"moba needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
+        blocks = self.select(q, k, q_start, k_start)
+        if self.record:
+            self.selection = blocks.detach()
+            self.gates["selected_distance"] = block_distance(blocks, q_start, self.cfg.moba_block)
+        return self.ops(q.device).block_attention(q, k, v, self.scale, q_start, k_start, self.cfg.moba_block, blocks)
+
+    def oldest_key_needed(self, next_pos):
+        return 0
+
+
 VARIANTS = {
     "full": CausalSelfAttention,
     "local": LocalAttention,
@@ -668,4 +944,6 @@ VARIANTS = {
     "asga": ASGAttention,
     "caa": ContextAdaptiveAttention,
     "combiner": CombinerAttention,
+    "nsa": NativeSparseAttention,
+    "moba": MixtureOfBlockAttention,
 }

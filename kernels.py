@@ -4,6 +4,7 @@
   pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
+  block_attention(q, k, v, scale, q_start, k_start, block, blocks)
 
 (attention.py documents what each computes; the variants there call them.) Two sets:
 
@@ -23,7 +24,11 @@ traces this path without a graph break (tests/test_kernels.py); on CPU, inductor
 FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
 gate multiply, "no choices" for the asga and caa score_mods; `local` compiles and matches
 the reference to 2e-7), so CPU runs stay uncompiled.
-Compiled on a GPU (Triton templates): not yet run, no GPU was available.
+Compiled on a GPU (Triton templates): not yet run on a GPU. What a GPU's compile rejects is
+kept out: a score_mod reads each captured tensor that needs a gradient once (`units`), and
+by row or key, never by head alone (`per_row`); tests/test_lowering.py checks both on the
+joint graphs inductor receives, and benchmarks/gpu_compile/ holds the whole CUDA compile
+of every variant for an H100 and an A100, made on a CPU (kernels, shared memory, spills).
 
 BLOCKWISE, the CPU training path (kernel='fused' on CPU): plain PyTorch loops built for a
 few CPU cores, in float32 (autocast is switched off inside: CPU bf16 matmuls gain nothing
@@ -44,6 +49,13 @@ here and the loops write into float32 buffers):
   s queries and span logits (s, R) against the R block summaries, one softmax: time and
   memory O(T (s + R)), never (T, S). A chunk of blocks at a time, each recomputed in the
   backward (memory O(T D) plus one chunk).
+- block attention (nsa's selected branch, moba): `block_gather`. A chunk of queries at a
+  time gathers the n blocks each query lists, (chunk, n * block) keys, one softmax; each
+  chunk recomputed in the backward. Time O(T n block D), memory O(T D) plus one chunk.
+FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
+blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
+128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
+the data, so it is never cached by shape.
 
 Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
@@ -55,10 +67,10 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 NEG_INF = float("-inf")
-Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention")
+Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention")
 
 
 def expand_kv(k_BHSD, n_head):
@@ -214,8 +226,8 @@ class Band:
                     yield g * self.nb + b0, g * self.nb + min(self.nb, b0 + self.chunk)
 
     def bias_rows(self, bias, i0, i1):
-        """Index into bias.view(-1, Bq, L) of blocks i0 .. i1-1: bias is shared by the heads
-        of a batch row (and by all of them when it has one row)."""
+        """Index into bias.view(-1, Bq, L) of blocks i0 .. i1-1: bias has a row per head
+        (B * H rows), or is shared by the heads of a batch row (B rows), or by all (1 row)."""
         i = torch.arange(i0, i1, device=self.device)
         return (i // self.nb) // (self.G // bias.shape[0]) * self.nb + i % self.nb
 
@@ -240,7 +252,7 @@ class BandAttention(torch.autograd.Function):
     buffers (fresh pages cost as much as the matmuls here).
 
     q (G, T, D) already scaled; k, v (G, S, D); bias None (the window's mask only) or
-    (1 or B, nb, Bq, L), masking included, shared by the heads of a batch row."""
+    (R, nb, Bq, L), R = 1, B or G rows, masking included (see `Band.bias_rows`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, band):
@@ -521,6 +533,52 @@ def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
             + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
 
 
+# ---------------------------------------------------------------------------- BLOCKWISE: block attention
+
+BLOCK_GATHER = 1 << 21  # gathered key elements of one chunk of queries (8 MB in float32)
+
+
+def block_gather(q, k, v, blocks, off, block, first):
+    """attention.block_attention for q (B, H, T, D) already scaled and k, v (B, H, S, D)
+    whose key s sits at absolute position first + s, query t at first + off + t. blocks
+    (B, H, T, n): absolute block numbers, -1 = none. Keys are padded to whole absolute
+    blocks, then each query gathers its n blocks: (chunk, n, block, D) at a time, each chunk
+    checkpointed (its gathered keys are rebuilt in the backward, not kept)."""
+    B, H, T, D = q.shape
+    S, n = k.shape[2], blocks.shape[-1]
+    before = first % block  # positions of block first // block that precede the first key
+    kb = to_blocks(F.pad(k, (0, 0, before, 0)), block)  # (B, H, nb, block, D), block 0 = first // block
+    vb = to_blocks(F.pad(v, (0, 0, before, 0)), block)
+    step = max(1, BLOCK_GATHER // (B * H * n * block * D))
+    run = _block_gather_chunk
+    if step < T and torch.is_grad_enabled():
+        run = functools.partial(torch.utils.checkpoint.checkpoint, _block_gather_chunk, use_reentrant=False)
+    return torch.cat([run(q[:, :, t0:t0 + step], kb, vb, blocks[:, :, t0:t0 + step], first + off + t0, first, S, block)
+                      for t0 in range(0, T, step)], dim=2)
+
+
+def _block_gather_chunk(q, kb, vb, blocks, q_first, first, S, block):
+    """block_gather for the queries q (B, H, c, D) at positions q_first .."""
+    B, H, c, D = q.shape
+    nb = kb.shape[2]
+    rel = blocks - first // block  # (B, H, c, n) block index in kb
+    ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
+    earlier = torch.ones(blocks.shape[-1], blocks.shape[-1], dtype=torch.bool, device=q.device).tril(-1)
+    ok = ok & ~((blocks[..., :, None] == blocks[..., None, :]) & earlier).any(-1)  # a block listed twice counts once
+    rel = rel.clamp(0, nb - 1)
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    h = torch.arange(H, device=q.device)[None, :, None, None]
+    keys, values = kb[b, h, rel], vb[b, h, rel]  # (B, H, c, n, block, D)
+    pos = blocks[..., None] * block + torch.arange(block, device=q.device)  # (B, H, c, n, block)
+    q_pos = q_first + torch.arange(c, device=q.device)[:, None, None]  # (c, 1, 1)
+    mask = ok[..., None] & (pos <= q_pos) & (pos >= first) & (pos < first + S)
+    logits = torch.einsum("bhcd,bhcnsd->bhcns", q, keys).flatten(-2)  # (B, H, c, n * block)
+    mask = mask.flatten(-2)
+    some = mask.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
+    p = torch.softmax(logits.masked_fill(~mask, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    return torch.einsum("bhcns,bhcnsd->bhcd", p.view(B, H, c, -1, block), values)
+
+
 # ---------------------------------------------------------------------------- BLOCKWISE: the core ops
 
 def _float32(*tensors):
@@ -553,7 +611,7 @@ def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_fr
 
 def _banded(q, k, v, off, window, scale, bias, t0):
     """Causal (window None) or windowed attention of q (queries t0 .. of the caller) with an
-    optional bias(b, t, dist), evaluated on the band's geometry."""
+    optional bias(b, h, t, dist), evaluated on the band's geometry."""
     B, H, T, D = q.shape
     if window is None or window >= off + T - 1:
         if bias is None:
@@ -561,10 +619,12 @@ def _banded(q, k, v, off, window, scale, bias, t0):
         window = off + T - 1  # a band holding every causal key
     band = Band(B * H, T, k.shape[2], off, window, q.device)
     bias_BnbBqL = None
-    if bias is not None:  # bias(b, t, dist) on (B, nb, Bq, L); padded query rows reuse row T-1
-        b = torch.arange(B, device=q.device)[:, None, None, None]
-        t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, band.nb, band.Bq, 1)
-        bias_BnbBqL = band.mask_bias() + bias(b, t, band.dist).float()
+    if bias is not None:  # bias(b, h, t, dist) on (B or 1, H or 1, nb, Bq, L), heads flattened
+        b = torch.arange(B, device=q.device)[:, None, None, None, None]
+        h = torch.arange(H, device=q.device)[None, :, None, None, None]
+        t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, 1, band.nb, band.Bq, 1)
+        # padded query rows reuse row T-1; rows of the bias: per batch row or per (b, h)
+        bias_BnbBqL = band.mask_bias() + bias(b, h, t, band.dist).float().flatten(0, 1)
     out = BandAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias_BnbBqL, band)
     return out.view(B, H, T, D)
 
@@ -611,8 +671,18 @@ def blockwise_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, b
         return combiner_blocks(q, k, v, kbar, vbar, first // block, block, scale)[:, :, q_start - first:]
 
 
+def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """attention.block_attention through `block_gather`."""
+    with torch.autocast(q.device.type, enabled=False):
+        off = key_offset(q, k, q_start, k_start)
+        H = q.shape[1]
+        q, k, v = _float32(q * scale, expand_kv(k, H), expand_kv(v, H))
+        return block_gather(q, k, v, blocks, off, block, k_start)
+
+
 BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attention,
-                blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention)
+                blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention,
+                blockwise_block_attention)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -672,10 +742,30 @@ def block_mask(T, S, q_start, k_start, window, window_from, device):
     return _block_masks[key]
 
 
+def per_row(x, B, T):
+    """(B, H, T, ...) contiguous copy of a per-head tensor x (H, ...): one element per query
+    row, for a score_mod to read at [b, h, i]. Why: on CUDA, the gradient of a captured
+    tensor is an atomic add from every score that reads it into the element it reads. Read
+    by head alone (w2[h], b2[h], scale[h]), one element takes the adds of B * T * S scores
+    (millions at T = 1024); read by row, those of one query's keys. Autograd then sums the
+    rows outside the kernel (the expand's backward)."""
+    return x[None, :, None].expand(B, -1, T, *x.shape[1:]).contiguous()
+
+
+def units(x):
+    """x (..., r) -> r contiguous tensors (...): inductor allows a score_mod to index a
+    captured tensor that needs a gradient only once (torch 2.13, validate_joint_graph in
+    torch/_inductor/kernel/flex/flex_attention.py raises NotImplementedError otherwise, at
+    the first backward on a GPU), so a score_mod that loops over hidden units reads one
+    tensor per unit."""
+    return x.movedim(-1, 0).contiguous().unbind(0)
+
+
 def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """attention.attention: flash SDPA where no window, bias or per-head scale applies,
     else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
-    T, S = q.shape[2], k.shape[2]
+    B, H, T = q.shape[:3]
+    S = k.shape[2]
     q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
     if window is not None and (window >= q_start + T - 1 - k_start or q_start + T - 1 < window_from):
@@ -684,11 +774,13 @@ def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from
         return causal_attention(q, k, v, key_offset(q, k, q_start, k_start), scale)
     score_mod = None
     if bias is not None or head_scale is not None:
+        scale_rows = None if head_scale is None else per_row(head_scale, B, T)  # (B, H, T)
+
         def score_mod(score, b, h, i, j):
-            if head_scale is not None:  # a per-head scale, captured (it may need a gradient)
-                score = score * head_scale[h]
+            if scale_rows is not None:  # a per-head scale, captured (it may need a gradient)
+                score = score * scale_rows[b, h, i]
             if bias is not None:
-                score = score + bias(b, i, (q_start + i) - (k_start + j))
+                score = score + bias(b, h, i, (q_start + i) - (k_start + j))
             return score
     mask = block_mask(T, S, q_start, k_start, window, window_from, q.device)
     return _run_flex(q, k, v, score_mod, mask, scale)
@@ -698,18 +790,24 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     """attention.pair_gated_attention: the gate is a score_mod reading the captured per-query
     and per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention,
     not even one (T, S) score tile outlives its block)."""
-    T, S = q.shape[2], k.shape[2]
+    B, H, T = q.shape[:3]
+    S = k.shape[2]
     q, k, v = _same_dtype(q, k, v)
-    r = q_term.shape[-1]
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
+    # Every captured tensor is read once, by row ([b, h, i]) or by key ([b, h, j]): see
+    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them.
+    q_units, k_units = units(q_term), units(k_term)
+    w2_units = units(per_row(w2, B, T))
+    b2_rows = per_row(b2, B, T)
+    scale_rows = None if head_scale is None else per_row(head_scale, B, T)
 
     def gate(score, b, h, i, j):
-        if head_scale is not None:
-            score = score * head_scale[h]
+        if scale_rows is not None:
+            score = score * scale_rows[b, h, i]
         # [ASGA] eq. 1, one hidden unit at a time: pointwise, as a score_mod must be
-        z = b2[h]
-        for c in range(r):
-            z = z + w2[h, c] * F.gelu(q_term[b, h, i, c] + k_term[b, h, j, c])
+        z = b2_rows[b, h, i]
+        for q_c, k_c, w2_c in zip(q_units, k_units, w2_units):
+            z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
         return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
 
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
@@ -793,5 +891,50 @@ def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
     return _run_flex(q, keys, values, None, mask, scale)
 
 
+FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger
+
+
+def selection_block_mask(blocks, T, S, q_start, k_start, block):
+    """FlexAttention's BlockMask for attention.block_attention, built from kv-tile lists: a
+    query tile's list is the union of the key tiles its queries' blocks touch (causal ones
+    only), and the exact rule is the mask_mod, which reads the (B, H, T, blocks) selection."""
+    B, H, _, n = blocks.shape
+    device = blocks.device
+    n_blocks = ceil_div(k_start + S, block)
+    slot = torch.where(blocks < 0, n_blocks, blocks)  # -1 -> a spare column, dropped
+    selected = torch.zeros(B, H, T, n_blocks + 1, dtype=torch.bool, device=device)
+    selected = selected.scatter_(-1, slot, True)[..., :n_blocks]  # (B, H, T, blocks)
+
+    def mask_mod(b, h, i, j):
+        k_pos = k_start + j
+        return (k_pos <= q_start + i) & selected[b, h, i, k_pos // block]
+
+    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
+    # key tiles of each selected block: from its first key's tile to its last's
+    lo = (blocks * block - k_start).clamp(0, S - 1)
+    hi = (blocks * block + block - 1 - k_start).clamp(0, S - 1)
+    q_pos = q_start + torch.arange(T, device=device)[:, None]
+    hi = torch.minimum(hi, q_pos - k_start)  # no tile after the query's own key
+    touched = torch.zeros(B, H, T, nk + 1, dtype=torch.bool, device=device)
+    for r in range(ceil_div(block, FLEX_TILE) + 1):
+        tile = lo // FLEX_TILE + r
+        use = (blocks >= 0) & (blocks * block + block - 1 >= k_start) & (tile <= hi // FLEX_TILE)
+        touched.scatter_(-1, torch.where(use, tile, nk), True)
+    touched = F.pad(touched[..., :nk], (0, 0, 0, nq * FLEX_TILE - T))  # (B, H, nq * tile, nk)
+    tiles = touched.view(B, H, nq, FLEX_TILE, nk).any(3)  # (B, H, nq, nk)
+    kv_num = tiles.sum(-1, dtype=torch.int32)
+    kv_idx = tiles.int().argsort(dim=-1, descending=True, stable=True).int()  # listed tiles first
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
+
+
+def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """attention.block_attention: one FlexAttention call on `selection_block_mask`, rebuilt
+    in every call from this call's selection."""
+    T, S = q.shape[2], k.shape[2]
+    q, k, v = _same_dtype(q, k, v)
+    mask = selection_block_mask(blocks, T, S, q_start, k_start, block)
+    return _run_flex(q, k, v, None, mask, scale)
+
+
 FLEX = Ops("FlexAttention + SDPA (kernels.py)", flex_attention_op, flex_pair_gated_attention,
-           flex_topk_attention, flex_combiner_attention)
+           flex_topk_attention, flex_combiner_attention, flex_block_attention)

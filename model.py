@@ -50,10 +50,24 @@ class ModelConfig:
     caa_window_max: int = 512
     caa_tau: float = 8.0  # softness, in tokens, of the local branch's window boundary
     caa_gate_norm: bool = False  # LayerNorm on the gate MLP's hidden layer (attention.py says why)
+    # nsa ([NSA]; sizes for T = 1024, the cpu preset scales them to T = 256)
+    nsa_cmp_block: int = 16  # l: positions per compressed key
+    nsa_cmp_stride: int = 8  # d: stride between compressed keys (d | l, d | nsa_block)
+    nsa_block: int = 32  # l': positions per selection block
+    nsa_topk: int = 8  # n: blocks selected per query, counting the 3 forced ones
+    nsa_window: int = 128  # W: the window branch sees t - W .. t
+    nsa_compress: str = "mean"  # mean | mlp (the paper's learnable compressor)
+    nsa_branches: str = "cmp,slc,win"  # the branches summed (ablations: drop one)
+    nsa_kv: str = "shared"  # shared (the reference codes) | independent (the paper: k, v per branch)
+    # moba ([MoBA])
+    moba_block: int = 64  # B: positions per block
+    moba_topk: int = 4  # k: blocks per query, counting its own
+    moba_full_last: int = 0  # the last this-many layers use full attention (the paper's hybrid)
 
     CHOICES = dict(kernel=("ref", "fused", "flex"), dsa_window=("adaptive", "fixed", "none"),
                    asga_gate=("learned", "fixed", "off"), asga_gate_space=("logit", "prob"),
-                   caa_gate=("learned", "local", "global"), caa_topk=("sqrt", "all"))
+                   caa_gate=("learned", "local", "global"), caa_topk=("sqrt", "all"),
+                   nsa_compress=("mean", "mlp"), nsa_kv=("shared", "independent"))
 
     def __post_init__(self):
         if self.attn not in VARIANTS:
@@ -67,6 +81,27 @@ class ModelConfig:
             raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.attn == "nsa":
+            self.check_nsa()
+        if self.attn == "moba":
+            if self.moba_block < 1 or self.moba_topk < 1:
+                raise ValueError(f"moba_block={self.moba_block} and moba_topk={self.moba_topk} must be >= 1")
+            if not 0 <= self.moba_full_last <= self.n_layer:
+                raise ValueError(f"moba_full_last={self.moba_full_last} must be in 0 .. n_layer={self.n_layer}")
+
+    def check_nsa(self):
+        l, d, block = self.nsa_cmp_block, self.nsa_cmp_stride, self.nsa_block
+        if d < 1 or l % d or block % d or l > block:
+            raise ValueError(f"nsa_cmp_stride={d} must divide nsa_cmp_block={l} and nsa_block={block}, and "
+                             f"nsa_cmp_block <= nsa_block ([NSA] eq. 9), e.g. 8, 16, 32")
+        if self.nsa_topk < 3:
+            raise ValueError(f"nsa_topk={self.nsa_topk} must be >= 3: it counts the 3 forced blocks "
+                             f"(the first, the query's own and the one before)")
+        if self.nsa_window < 0:
+            raise ValueError(f"nsa_window={self.nsa_window} must be >= 0")
+        branches = self.nsa_branches.split(",")
+        if not branches or len(set(branches)) != len(branches) or set(branches) - {"cmp", "slc", "win"}:
+            raise ValueError(f"nsa_branches={self.nsa_branches!r} must be a comma-separated subset of cmp,slc,win")
 
 
 # Named sizes. qwen-134m: this project's choice of a 134M-parameter Qwen3 (12 layers, 12 heads
@@ -99,11 +134,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def layer_variant(cfg, layer):
+    """The attention class of layer `layer`: moba_full_last puts full attention in MoBA's last
+    layers ([MoBA] §3.2's layer-wise hybrid); every other layer gets cfg.attn."""
+    if cfg.attn == "moba" and layer >= cfg.n_layer - cfg.moba_full_last:
+        return VARIANTS["full"]
+    return VARIANTS[cfg.attn]
+
+
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer=0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = VARIANTS[cfg.attn](cfg)
+        self.self_attn = layer_variant(cfg, layer)(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -152,7 +195,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -133,7 +133,9 @@ TRAIN_PRESETS = {
     # threshold keeps [DSA-A]'s 512 of 1024 (half the positions attend fully).
     "cpu": dict(model="bytes", data_dir="data/bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
                 warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250,
-                window=64, caa_window_max=128, dsa_threshold=128),
+                window=64, caa_window_max=128, dsa_threshold=128,
+                # nsa and moba sized for T = 256 (the GPU defaults in model.py are for T = 1024)
+                nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=16, nsa_topk=5, nsa_window=32, moba_block=16),
     "qwen-134m": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
                       total_batch_tokens=2**19, lr=6e-4, warmup_steps=200, max_steps=5000,
                       eval_every=250, val_tokens=2**20, ckpt_every=500, compile=True),
@@ -271,7 +273,19 @@ def parse_args(argv):
             fail(f"--{key}={getattr(tc, key)}: must be at least 1")
     model_keys = {k: v for k, v in given.items() if k in MODEL_DEFAULTS}
     model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
-    return tc, model_config(tc, model_keys), set(given)
+    mc = model_config(tc, model_keys)
+    check_budget(mc, tc.seq_len)
+    return tc, mc, set(given)
+
+
+def check_budget(mc, seq_len):
+    """nsa and moba select blocks: a selection covering the whole sequence is dense attention."""
+    if mc.attn == "nsa" and mc.nsa_topk * mc.nsa_block > seq_len:
+        fail(f"--nsa_topk={mc.nsa_topk} x --nsa_block={mc.nsa_block} = {mc.nsa_topk * mc.nsa_block} keys > "
+             f"seq_len={seq_len}: the selection would be dense; use nsa_topk in 3 .. {max(3, seq_len // mc.nsa_block)}")
+    if mc.attn == "moba" and mc.moba_topk * mc.moba_block > seq_len:
+        fail(f"--moba_topk={mc.moba_topk} x --moba_block={mc.moba_block} = {mc.moba_topk * mc.moba_block} keys > "
+             f"seq_len={seq_len}: the selection would be dense; use moba_topk in 1 .. {max(1, seq_len // mc.moba_block)}")
 
 
 def model_config(tc, overrides):

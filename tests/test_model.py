@@ -165,7 +165,7 @@ def test_caa_global_branch_keeps_ceil_sqrt_keys():
             assert (diff > 1e-4) if moves else (diff == 0)
 
 
-GATE_PARAMS = ("head_gate", "gamma", "w1_q", "w1_k", "b1", "w2", "b2", "mix_gate", "width")
+GATE_PARAMS = ("head_gate", "gamma", "w1_q", "w1_k", "b1", "w2", "b2", "mix_gate", "width", "branch_gate")
 
 
 @pytest.mark.parametrize("attn", list(VARIANTS))
@@ -180,7 +180,7 @@ def test_every_parameter_gets_gradient(attn):
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().max() > 0, name
         gate_params += any(g in name for g in GATE_PARAMS)
-    assert gate_params > 0 or attn in ("full", "local", "combiner")  # no parameters of their own
+    assert gate_params > 0 or attn in ("full", "local", "combiner", "moba")  # no parameters of their own
 
 
 @requires_gpt2

@@ -1,0 +1,393 @@
+"""nsa and moba ([NSA], [MoBA]; attention.py): each against a plain-Python loop written here
+from the paper's equations (one query at a time), reduction to full attention, causality and
+prefix invariance, the selection equal to a brute-force sort with the forced blocks in it, no
+gradient through the selection, the core op `block_attention` through the blockwise and
+FlexAttention paths equal to the reference (outputs and gradients, after cached keys too),
+bf16, cached decoding, a graph without breaks, and the configuration errors.
+
+Errors are relative, max|a - b| / max|b|, as in tests/test_kernels.py.
+"""
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+import attention
+import kernels
+from model import PRESETS, Model, ModelConfig
+
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+# Small sizes: T = 45 spans 11 selection blocks of 4 (nsa) and 5 blocks of 8 (moba).
+NSA = dict(nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=8, nsa_topk=4, nsa_window=5)
+MOBA = dict(moba_block=8, moba_topk=3)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(attn, seed=0, **flags):
+    cfg = ModelConfig(**dict(PRESETS["tiny"], attn=attn, n_head=4, n_kv_head=2, head_dim=8, d_model=16,
+                             **dict(NSA if attn == "nsa" else MOBA, **flags)))
+    torch.manual_seed(seed)
+    module = attention.VARIANTS[attn](cfg)
+    for p in module.parameters():
+        p.data.normal_(0, 0.3)
+    return module
+
+
+def inputs(module, T, B=1, seed=1, S=None):
+    cfg, S = module.cfg, S or T
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, cfg.n_head, T, cfg.head_dim, generator=g)
+    k = torch.randn(B, cfg.n_kv_head, S, cfg.head_dim, generator=g)
+    v = torch.randn(B, cfg.n_kv_head, S, cfg.head_dim, generator=g)
+    x = torch.randn(B, T, cfg.d_model, generator=g)
+    return q, k, v, x
+
+
+def run(module, kernel, q, k, v, x, q_start=0):
+    cfg = module.cfg
+    module.cfg = dataclasses.replace(cfg, kernel=kernel)
+    try:
+        return module.attend(q, k, v, x, q_start, 0)
+    finally:
+        module.cfg = cfg
+
+
+def rel(a, b):
+    """Relative error; where b is identically 0 (q's gradient at T = 1), the absolute one."""
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-2)).item()
+
+
+def softmax_attend(qv, keys, values, scale):
+    """One query: softmax over the given key vectors, plain Python over them."""
+    logits = [float(qv @ kv) * scale for kv in keys]
+    m = max(logits)
+    w = [math.exp(z - m) for z in logits]
+    return sum(wi * vi for wi, vi in zip(w, values)) / sum(w)
+
+
+# ---------------------------------------------------------------------------- the papers' loops
+
+def moba_loop(q, k, v, block, topk, scale):
+    """[MoBA] §2.2 / Algorithm 1, one query and head at a time: score each block wholly in
+    the past by q . mean(k over the block), keep the topk - 1 best, add the own block, one
+    softmax over the keys s <= t of those blocks."""
+    B, H, T, D = q.shape
+    group = H // k.shape[1]
+    out = torch.zeros(B, H, T, D)
+    for b in range(B):
+        for h in range(H):
+            kh, vh = k[b, h // group], v[b, h // group]
+            for t in range(T):
+                own = t // block
+                past = sorted(range(own), key=lambda j: -float(q[b, h, t] @ kh[j * block:(j + 1) * block].mean(0)))
+                chosen = set(past[:topk - 1]) | {own}
+                keys = [s for s in range(t + 1) if s // block in chosen]
+                out[b, h, t] = softmax_attend(q[b, h, t], [kh[s] for s in keys], [vh[s] for s in keys], scale)
+    return out
+
+
+def nsa_loop(module, q, k, v, x):
+    """[NSA] eqs. 5-12, one query at a time: compressed keys are means over [i d, i d + l),
+    visible once complete; eq. 8's probabilities are spread over the positions each
+    compressed block covers (1/d per position, the overlap reading of eq. 9) and summed per
+    selection block and over the query heads of a key head (eq. 10); the forced blocks (0,
+    own, own - 1), then the best by score, n in all; the window t - W .. t; sigmoid gates."""
+    cfg, scale = module.cfg, module.scale
+    l, d, blk, n, W = cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block, cfg.nsa_topk, cfg.nsa_window
+    B, H, T, D = q.shape
+    group = H // k.shape[1]
+    gates = torch.sigmoid(x @ module.branch_gate.weight.T + module.branch_gate.bias)  # (B, T, 3H)
+    out = torch.zeros(B, H, T, D)
+    for b in range(B):
+        for t in range(T):
+            cmp_ids = [i for i in range(T) if i * d + l - 1 <= t]
+            o_cmp, block_score = {}, {}
+            for h in range(H):
+                kh, vh = k[b, h // group], v[b, h // group]
+                if not cmp_ids:
+                    o_cmp[h] = torch.zeros(D)
+                    continue
+                kc = [kh[i * d:i * d + l].mean(0) for i in cmp_ids]
+                vc = [vh[i * d:i * d + l].mean(0) for i in cmp_ids]
+                logits = torch.tensor([float(q[b, h, t] @ kv) * scale for kv in kc])
+                p = torch.softmax(logits, 0)
+                o_cmp[h] = sum(pi * vi for pi, vi in zip(p, vc))
+                for i, pi in zip(cmp_ids, p):
+                    for pos in range(i * d, i * d + l):
+                        key = (h // group, pos // blk)
+                        block_score[key] = block_score.get(key, 0.0) + float(pi) / d
+            own = t // blk
+            for h in range(H):
+                kh, vh = k[b, h // group], v[b, h // group]
+                forced = [j for j in (0, own, own - 1) if 0 <= j <= own]
+                rest = sorted((j for j in range(own + 1) if j not in forced),
+                              key=lambda j: -block_score.get((h // group, j), 0.0))
+                chosen = set(forced) | set(rest[:n - len(set(forced))])
+                slc = [s for s in range(t + 1) if s // blk in chosen]
+                win = [s for s in range(max(0, t - W), t + 1)]
+                o_slc = softmax_attend(q[b, h, t], [kh[s] for s in slc], [vh[s] for s in slc], scale)
+                o_win = softmax_attend(q[b, h, t], [kh[s] for s in win], [vh[s] for s in win], scale)
+                g = [gates[b, t, c * H + h] for c in range(3)]
+                out[b, h, t] = g[0] * o_cmp[h] + g[1] * o_slc + g[2] * o_win
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["ref", "fused", "flex"])
+def test_moba_equals_the_papers_loop(kernel):
+    module = make("moba")
+    q, k, v, x = inputs(module, 45)
+    with torch.no_grad():
+        out = run(module, kernel, q, k, v, x)
+    assert rel(out, moba_loop(q, k, v, 8, 3, module.scale)) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["ref", "fused", "flex"])
+def test_nsa_equals_the_papers_loop(kernel):
+    module = make("nsa")
+    q, k, v, x = inputs(module, 45)
+    with torch.no_grad():
+        out = run(module, kernel, q, k, v, x)
+        expected = nsa_loop(module, q, k, v, x)
+    assert rel(out, expected) < 1e-5
+
+
+# ---------------------------------------------------------------------------- reductions, causality
+
+def test_moba_with_every_block_is_full_attention():
+    module = make("moba", moba_topk=6)  # 6 blocks of 8 cover T = 45
+    q, k, v, x = inputs(module, 45)
+    full = attention.attention(q, k, v, module.scale, 0, 0)
+    for kernel in ("ref", "fused", "flex"):
+        assert rel(run(module, kernel, q, k, v, x), full) < 1e-5, kernel
+    one = make("moba", moba_topk=1)  # the own block alone: block-diagonal causal attention
+    blockdiag = attention.attention(q, k, v, one.scale, 0, 0, window=7)
+    out = run(one, "ref", q, k, v, x)
+    assert rel(out[:, :, :8], blockdiag[:, :, :8]) < 1e-5 and rel(out[:, :, 8:9], v.repeat_interleave(2, 1)[:, :, 8:9]) < 1e-5
+
+
+def test_nsa_with_every_block_and_a_whole_window_is_full_attention():
+    q, k, v, x = inputs(make("nsa"), 45)
+    for branch in ("slc", "win"):
+        module = make("nsa", nsa_topk=6, nsa_window=44, nsa_branches=branch)
+        module.init_gates()  # gates 0.5
+        full = attention.attention(q, k, v, module.scale, 0, 0)
+        for kernel in ("ref", "fused", "flex"):
+            assert rel(run(module, kernel, q, k, v, x), 0.5 * full) < 1e-5, (branch, kernel)
+
+
+@pytest.mark.parametrize("attn", ["nsa", "moba"])
+def test_causal_and_prefix_invariant(attn):
+    """The first 30 outputs and selections of a 45-token run equal those of its 30-token
+    prefix, and changing the later q, k, v, x changes neither."""
+    module = make(attn)
+    module.record = True
+    q, k, v, x = inputs(module, 45)
+    module.gates = {}
+    out = run(module, "ref", q, k, v, x)
+    sel = module.selection[:, :, :30].sort(-1).values  # as sets: the order of tied forced blocks is free
+    q2, k2, v2, x2 = (t.clone() for t in (q, k, v, x))
+    for t in (q2, k2, v2):
+        t[:, :, 30:] = torch.randn_like(t[:, :, 30:])
+    x2[:, 30:] = torch.randn_like(x2[:, 30:])
+    for args in ((q[:, :, :30], k[:, :, :30], v[:, :, :30], x[:, :30]), (q2, k2, v2, x2)):
+        out2 = run(module, "ref", *args)
+        assert rel(out2[:, :, :30], out[:, :, :30]) < 1e-6
+        assert torch.equal(module.selection[:, :, :30].sort(-1).values, sel)
+
+
+# ---------------------------------------------------------------------------- the selection
+
+def test_moba_selection_is_a_brute_force_sort():
+    module = make("moba")
+    q, k, _, _ = inputs(module, 45, B=2)
+    blocks = module.select(q, k, 0, 0)  # (B, H, T, 3)
+    for b in range(2):
+        for h in range(4):
+            for t in range(45):
+                own = t // 8
+                means = [k[b, h // 2, j * 8:(j + 1) * 8].mean(0) for j in range(own)]
+                order = sorted(range(own), key=lambda j: -float(q[b, h, t] @ means[j]))
+                expected = {own} | set(order[:2])
+                got = {int(j) for j in blocks[b, h, t] if j >= 0}
+                assert got == expected, (b, h, t, got, expected)
+
+
+def test_nsa_forced_blocks_and_selection_size():
+    module = make("nsa", nsa_topk=5)
+    q, k, v, x = inputs(module, 45, B=2)
+    module.record = True
+    module.gates = {}
+    run(module, "ref", q, k, v, x)
+    blocks = module.selection  # (B, H, T, n)
+    for t in range(45):
+        own = t // 8
+        for row in blocks[:, :, t].reshape(-1, 5):
+            got = {int(j) for j in row if j >= 0}
+            assert len(got) == min(5, own + 1) == int((row >= 0).sum())
+            assert {j for j in (0, own, own - 1) if j >= 0} <= got and max(got) <= own
+    assert torch.equal(blocks[:, 0], blocks[:, 1]) and torch.equal(blocks[:, 2], blocks[:, 3])  # eq. 10: per key head
+
+
+@pytest.mark.parametrize("attn", ["nsa", "moba"])
+def test_no_gradient_through_the_selection(attn):
+    """The gradients of q, k, v equal those of the same attention with the selection held as
+    constants: the choice of blocks passes no gradient."""
+    module = make(attn, nsa_branches="slc")
+    q, k, v, x = (t.requires_grad_() for t in inputs(module, 45))
+    module.record = True
+    module.gates = {}
+    out = run(module, "ref", q, k, v, x)
+    blocks = module.selection.clone()
+    assert not blocks.requires_grad
+    block = module.cfg.nsa_block if attn == "nsa" else module.cfg.moba_block
+    fixed = attention.block_attention(q, k, v, module.scale, 0, 0, block, blocks)
+    if attn == "nsa":
+        fixed = fixed * torch.sigmoid(module.branch_gate(x)).view(1, 45, 3, 4)[:, :, 1].transpose(1, 2)[..., None]
+    cot = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(fixed, (q, k, v), cot)):
+        assert rel(a, b) < 1e-6
+
+
+# ---------------------------------------------------------------------------- the fast paths
+
+def random_blocks(B, H, T, q_start, block, n, seed):
+    """A selection as the variants make one: the own block, then random earlier blocks, and
+    some empty slots."""
+    g = torch.Generator().manual_seed(seed)
+    own = (q_start + torch.arange(T)) // block
+    blocks = torch.stack([torch.randint(0, 10**6, (B, H, T), generator=g) % (own + 1) for _ in range(n - 1)], -1)
+    blocks = torch.cat([own.expand(B, H, T)[..., None], blocks], -1)
+    return blocks.masked_fill(torch.rand(B, H, T, n, generator=g) < 0.2, -1)
+
+
+@pytest.mark.parametrize("T,q_start,k_start,block", [(1, 0, 0, 16), (45, 0, 0, 8), (257, 0, 0, 16), (300, 0, 0, 160),
+                                                      (7, 300, 0, 16), (7, 300, 150, 16), (1, 300, 260, 32)])
+def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, block):
+    """Blockwise: outputs and gradients of q, k, v; FlexAttention (no CPU backward for q, k,
+    v): outputs. GQA (4 query heads on 2 key heads), blocks below, equal to and above the
+    128-key tile, after cached keys."""
+    S = q_start + T - k_start
+    g = torch.Generator().manual_seed(T + q_start)
+    q = torch.randn(2, 4, T, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, S, 8, generator=g).requires_grad_() for _ in range(2))
+    blocks = random_blocks(2, 4, T, q_start, block, 3, T)
+    cot = torch.randn(2, 4, T, 8, generator=g)
+    ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
+    kernels_step = kernels.BLOCK_GATHER
+    kernels.BLOCK_GATHER = 2000  # several checkpointed chunks
+    try:
+        out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+    finally:
+        kernels.BLOCK_GATHER = kernels_step
+    assert rel(out, ref) < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
+        assert rel(a, b) < 1e-4
+    with torch.no_grad():
+        flex = kernels.FLEX.block_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, k_start, block, blocks)
+    assert rel(flex, ref) < 1e-5
+
+
+@pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp", nsa_kv="independent")),
+                                        ("nsa", dict(nsa_branches="cmp,win")), ("moba", {})])
+def test_fused_and_flex_equal_the_reference(attn, flags):
+    """Whole variant, T = 45 and 130: fused outputs and gradients of q, k, v, x and every
+    parameter; flex outputs and the gradients of x and the parameters."""
+    module = make(attn, **flags)
+    for T in (45, 130):
+        q, k, v, x = (t.requires_grad_() for t in inputs(module, T, B=2))
+        named = dict(q=q, k=k, v=v, x=x, **dict(module.named_parameters()))
+        cot = torch.randn(2, 4, T, 8)
+        ref = run(module, "ref", q, k, v, x)
+        ref_grads = torch.autograd.grad(ref, list(named.values()), cot, allow_unused=True)
+        for kernel in ("fused", "flex"):
+            qkv = (q, k, v) if kernel == "fused" else (q.detach(), k.detach(), v.detach())
+            out = run(module, kernel, *qkv, x)
+            assert rel(out, ref) < 1e-5, (kernel, T)
+            if not out.requires_grad:  # moba on flex: no parameters, nothing to differentiate
+                continue
+            grads = torch.autograd.grad(out, list(named.values()), cot, allow_unused=True)
+            for name, a, b in zip(named, grads, ref_grads):
+                if kernel == "flex" and name in "qkv":
+                    continue
+                if b is None or b.abs().max() == 0:
+                    assert a is None or a.abs().max() < 1e-6, (kernel, name)
+                else:
+                    assert rel(a, b) < 1e-4, (kernel, name, T)
+
+
+def tiny(attn, kernel, **flags):
+    torch.manual_seed(0)
+    cfg = dict(PRESETS["tiny"], vocab_size=512, attn=attn, kernel=kernel, **dict(NSA if attn == "nsa" else MOBA, **flags))
+    model = Model(ModelConfig(**cfg))
+    for name, p in model.named_parameters():  # gates off their neutral init
+        if "branch_gate" in name or "compress" in name:
+            p.data.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("attn,flags", [("nsa", dict(nsa_compress="mlp", nsa_kv="independent")),
+                                        ("moba", dict(moba_full_last=1))])
+def test_cached_decoding_equals_the_forward(attn, flags):
+    """Prefill 20, decode one at a time to 50, then 10 at a time to 70: the fused path's
+    logits equal the reference's uncached forward."""
+    idx = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, _ = tiny(attn, "ref", **flags)(idx)
+        model = tiny(attn, "fused", **flags)
+        cache = model.new_cache()
+        steps = [model(idx[:, :20], cache=cache)[0]]
+        steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 50)]
+        steps += [model(idx[:, t:t + 10], cache=cache)[0] for t in range(50, 70, 10)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-4 * full.abs().max()
+
+
+def test_moba_full_last_layers_are_full_attention():
+    model = tiny("moba", "ref", moba_full_last=1)
+    assert [type(b.self_attn).__name__ for b in model.layers] == ["MixtureOfBlockAttention", "CausalSelfAttention"]
+
+
+@pytest.mark.parametrize("attn", ["nsa", "moba"])
+def test_bf16_forward_and_backward(attn):
+    idx = torch.randint(0, 512, (2, 81), generator=torch.Generator().manual_seed(5))
+    for kernel in ("ref", "fused", "flex"):
+        model = tiny(attn, kernel)
+        with torch.no_grad():
+            _, loss32 = model(idx[:, :-1], idx[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(kernel != "flex"):
+            _, loss16 = model(idx[:, :-1], idx[:, 1:])
+        if kernel != "flex":
+            loss16.backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        assert abs(loss16.item() - loss32.item()) < 2e-2 * loss32.item(), (kernel, loss16.item(), loss32.item())
+
+
+@pytest.mark.parametrize("attn", ["nsa", "moba"])
+def test_flex_forward_has_no_graph_breaks(attn):
+    model = tiny(attn, "flex", n_layer=1).eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(torch.randint(0, 512, (1, 150)))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (dict(attn="nsa", nsa_cmp_stride=3), "nsa_cmp_stride=3 must divide"),
+    (dict(attn="nsa", nsa_cmp_block=64), "nsa_cmp_block <= nsa_block"),
+    (dict(attn="nsa", nsa_topk=2), "nsa_topk=2 must be >= 3"),
+    (dict(attn="nsa", nsa_branches="cmp,foo"), "subset of cmp,slc,win"),
+    (dict(attn="moba", moba_topk=0), "must be >= 1"),
+    (dict(attn="moba", moba_full_last=3), "moba_full_last=3 must be in 0 .. n_layer=2"),
+])
+def test_bad_settings_name_the_flag(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig(**flags)
