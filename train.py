@@ -399,7 +399,7 @@ def train_tokens_found(data_dir):
 
 
 DRY_RUN_ACTIONS = {"start": "start a new run in", "resume": "resume the run in", "refuse": "refuse"}
-FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "holds a run it may not use: see below"}
+FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "a real run would refuse it: see the last line"}
 
 
 def window_plan(mc, seq_len):

@@ -216,7 +216,7 @@ def test_dry_run_on_a_used_folder_prints_the_plan_and_what_a_run_would_do(capsys
     assert text.startswith("plan\n") and "model       bytes" in text and "tokens      4,096,000 planned" in text
     assert f"dry run: a real run would {action} {run}" in text, text
     if action == "refuse":
-        assert "already holds a run (ckpt.pt); pass --resume=True" in text and "holds a run it may not use" in text
+        assert "already holds a run (ckpt.pt); pass --resume=True" in text and f"run folder  {run} (a real run would refuse it" in text
     else:
         assert f"run folder  {run} (resuming)" in text
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # a dry run writes nothing
