@@ -399,7 +399,7 @@ def train_tokens_found(data_dir):
 
 
 DRY_RUN_ACTIONS = {"start": "start a new run in", "resume": "resume the run in", "refuse": "refuse"}
-FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "holds a run it may not use: see below"}
+FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "a real run would refuse it: see the last line"}
 
 
 def window_plan(mc, seq_len):
@@ -429,6 +429,18 @@ def window_plan(mc, seq_len):
         return (f"blocks of {W} keys, plus one summary per completed block{of}",
                 f"combiner: block {W} >= seq_len {T}: one block, so it computes full attention; pass "
                 f"--window below {T}" if W >= T else None)
+    if v == "nsa":
+        reach = mc.nsa_topk * mc.nsa_block
+        line = (f"compressed keys of {mc.nsa_cmp_block} every {mc.nsa_cmp_stride}, the top {mc.nsa_topk} blocks of "
+                f"{mc.nsa_block} ({reach} keys), a window {mc.nsa_window} keys back{of}")
+        return line, (f"nsa: its {mc.nsa_topk} selected blocks of {mc.nsa_block} cover the whole {T}-token sequence, "
+                      f"so its selected branch is full attention; pass a smaller --nsa_topk or --nsa_block"
+                      if reach >= T else None)
+    if v == "moba":
+        reach = mc.moba_topk * mc.moba_block
+        line = f"its own block and the top {mc.moba_topk - 1} earlier blocks of {mc.moba_block} ({reach} keys){of}"
+        return line, (f"moba: {mc.moba_topk} blocks of {mc.moba_block} cover the whole {T}-token sequence, so it "
+                      f"computes full attention; pass a smaller --moba_topk or --moba_block" if reach >= T else None)
     gate = "a learned pair gate on " if v == "asga" and mc.asga_gate == "learned" else ""
     return f"none: {gate}every key j <= i{of}", None
 
