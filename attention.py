@@ -19,6 +19,9 @@ References (the short names are used everywhere below):
           Sparse Attention" (arXiv 2502.11089).
   [MoBA]  Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"
           (arXiv 2502.13189; code: MoonshotAI/MoBA).
+  [DS32]  DeepSeek-AI 2025, "DeepSeek-V3.2: Pushing the Frontier of Open Large Language Models"
+          (arXiv 2512.02556; DeepSeek-V3.2-Exp's code, inference/model.py) — DeepSeek Sparse
+          Attention: a lightning indexer and top-k token selection (the `indexer` variant).
 The four method papers report their runs on FineWeb with a 134M-parameter Qwen model; their
 numbers are quoted in the docstrings below with the paper they come from.
 
@@ -36,6 +39,7 @@ Core operations (same signatures in kernels.py, which holds their fused versions
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
+  selected_attention(q, k, v, scale, q_start, k_start, keys)
 A variant computes its gates, masks and biases once and calls these through
 `self.ops(device)`; which set runs (this file's reference, kernels.py's blockwise CPU path,
 or FlexAttention + SDPA) is decided in `ops` alone. Imports run one way: this file imports
@@ -46,11 +50,13 @@ A new variant is a subclass of CausalSelfAttention whose `attend` builds its gat
 the core operations, plus an entry in VARIANTS. A new core operation is a reference function
 here, an `Ops` field, and its versions in kernels.BLOCKWISE and kernels.FLEX.
 """
+import functools
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import kernels
 
@@ -228,8 +234,24 @@ def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     return softmax_or_zero(logits, mask).to(v.dtype) @ v
 
 
+def selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
+    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
+    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
+    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
+    choice: reference only."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
+    chosen = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device).scatter_(-1, slot, True)[..., :S]
+    mask = chosen[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
+    return softmax_or_zero(logits, mask).to(v.dtype) @ v
+
+
 REFERENCE = kernels.Ops("reference (attention.py, dense)", attention, pair_gated_attention, topk_attention,
-                        combiner_attention, block_attention)
+                        combiner_attention, block_attention, selected_attention)
 
 
 def ops(kernel, device):
@@ -936,6 +958,232 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     def oldest_key_needed(self, next_pos):
         return 0
 
+# ---------------------------------------------------------------------------- DeepSeek Sparse Attention (indexer)
+
+def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
+    """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
+    -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
+    its keys (one per token, shared by the J heads), w (B, T, J) its head weights. Builds a
+    (B, T, J, S) tensor: callers pass a chunk of queries at a time."""
+    B, T, J, d = q_BTJD.shape
+    S = k_BSD.shape[1]
+    dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)
+    scores = (F.relu(dots) * w_BTJ.float()[..., None]).sum(2)  # (B, T, S)
+    return scores.masked_fill(~allowed(T, S, q_start, k_start, scores.device), float("-inf"))
+
+
+def top_keys(scores, n):
+    """(B, T, n) long: each query's n keys of highest score, ties broken toward the most recent
+    key, -1 in the slots beyond its visible keys (-inf scores). scores (B, T, S). No gradient.
+    ReLU makes exact zeros common, so ties are frequent: an indexer whose scores are all 0
+    picks the n most recent keys, a window."""
+    S = scores.shape[-1]
+    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
+    if S < n:  # fewer keys than slots: the spare slots stay empty
+        recent_first = F.pad(recent_first, (0, n - S), value=float("-inf"))
+    # a stable sort keeps equal scores in column order, i.e. the most recent key first
+    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
+    keys = S - 1 - order[..., :n]
+    return keys.masked_fill(top[..., :n] == float("-inf"), -1)
+
+
+class LightningIndexer(nn.Module):
+    """[DS32]'s lightning indexer, in our model's terms (no MLA, no query latent: it reads the
+    block's normalised input x, as the main q, k, v do):
+        q^I_t = W_q x_t, split into J heads of d      k^I_t = LayerNorm(W_k x_t)  (one key per token)
+        RoPE on the first d/2 dims of both (the model's rotate-half RoPE at d/2; [DS32] ropes
+        its first rope_head_dim = d/2 too)     w_t = W_w x_t * J^{-1/2}  (may be negative)
+    Sizes J = index_heads, d = index_head_dim. Init: the model's N(0, 0.02) for the three
+    projections, LayerNorm gain 1 and bias 0."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        J, d = cfg.index_heads, cfg.index_head_dim
+        self.n_head, self.head_dim, self.theta = J, d, cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.d_model, J * d, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, d, bias=False)
+        self.k_norm = nn.LayerNorm(d)
+        self.weights_proj = nn.Linear(cfg.d_model, J, bias=False)
+
+    def rope(self, x, start):
+        """RoPE on the first half of the last dim of x (B, T, .., d), positions start .."""
+        T, half = x.shape[1], self.head_dim // 2
+        cos, sin = rope_cos_sin(torch.arange(start, start + T, device=x.device), half, self.theta)
+        shape = (T,) + (1,) * (x.dim() - 3) + (half,)  # broadcast over the heads, if any
+        rotated = apply_rope(x[..., :half], cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype))
+        return torch.cat([rotated, x[..., half:]], dim=-1)
+
+    def forward(self, x_BTC, start):
+        """-> queries (B, T, J, d), keys (B, T, d), head weights (B, T, J) of positions start .."""
+        B, T, _ = x_BTC.shape
+        q = self.rope(self.q_proj(x_BTC).view(B, T, self.n_head, self.head_dim), start)
+        k = self.rope(self.k_norm(self.k_proj(x_BTC)), start)
+        w = self.weights_proj(x_BTC) * self.n_head ** -0.5
+        return q, k, w
+
+
+class IndexerAttention(CausalSelfAttention):
+    """`indexer`: DeepSeek Sparse Attention ([DS32]; DeepSeek-V3.2, at 671B, not our scale).
+
+        I[t, s] = sum_j w[t, j] ReLU(q^I[t, j] . k^I[s] / sqrt(d^I))         ([DS32] eq. 1)
+        S_t = the min(k, t + 1) visible keys of highest I[t, :]
+        u_t = softmax over s in S_t of q_t . k_s / sqrt(d), times v          ([DS32] eq. 2)
+    One selection per query, shared by every head ([DS32]'s code adds one -inf mask to all
+    heads). Ties go to the most recent key (`top_keys`). The main attention is `full`'s, over
+    S_t; the selection passes no gradient.
+
+    Training ([DS32] §2.1, eqs. 3-4): the indexer learns only from
+        L^I = mean_t KL(p_t || softmax(I[t, :]))  over the visible keys (dense warm-up)
+                                                   or over S_t only (sparse stage),
+    p_t = the main attention's probabilities over that set, summed over heads and
+    L1-normalised, without gradient; the indexer's input x is detached, so the main model
+    learns from the language-model loss alone and the indexer from L^I alone. After a forward
+    in training mode, L^I is `self.indexer_loss` (a scalar; train.py adds it to the loss).
+    `dense_warmup = True` attends over every visible key (the paper's dense warm-up); a module
+    as built attends sparsely (dense_warmup = False); train.py switches it for its first
+    --indexer_warmup steps. The mean over tokens (the paper writes a sum) makes L^I
+    independent of batch and length.
+
+    What this project chose apart from the paper: no MLA and no query latent (the indexer
+    reads x); no FP8 and no Hadamard rotation (numerics for speed). Sizes: index_heads = 4 of
+    index_head_dim = 64 (the paper: 64 of 128; 4 x 64 against our 12 x 64 heads keeps the
+    paper's indexer-to-attention cost per score); k = index_topk, 0 meaning the window, so
+    `indexer` and `local` see as many keys per query (the paper: 2048 at up to 128K).
+    The scores are dense O(T^2) by design (the paper's are), computed a chunk of queries at a
+    time (`SCORES` elements), so no (T, S) tensor per head is kept. The KV cache keeps every
+    key and every indexer key (a later query may select any).
+    """
+
+    SCORES = 1 << 22  # elements of one chunk's (B, chunk, heads, S) scores
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.indexer = LightningIndexer(cfg)
+        self.dense_warmup = False
+        self.indexer_loss = None  # L^I of the last training-mode forward
+        self.kept_mass = None  # share of the dense attention's mass on the selected keys (recorded)
+        self.cache = None  # the KV cache of the forward running now (for the indexer keys)
+        self.selection = None  # the last recorded selection (B, T, n), for analyze.py
+
+    @property
+    def topk(self):
+        return self.cfg.index_topk or self.cfg.window
+
+    def __getstate__(self):
+        # a copy (copy.deepcopy, pickling) drops the last forward's loss, which holds its graph
+        return dict(self.__dict__, indexer_loss=None, selection=None)
+
+    def forward(self, x_BTC, cos, sin, start, cache=None):
+        self.cache = cache
+        try:
+            return super().forward(x_BTC, cos, sin, start, cache)
+        finally:
+            self.cache = None
+
+    def index_inputs(self, x, q_start, k_start, S):
+        """The indexer's queries, weights (for the T queries in x) and keys (for the S keys),
+        from the detached x; with a KV cache the earlier keys come from it."""
+        q_idx, k_idx, w = self.indexer(x.detach(), q_start)
+        if self.cache is not None:
+            if "index_keys" in self.cache.state:
+                k_idx = torch.cat([self.cache.state["index_keys"], k_idx], dim=1)  # (B, S, d)
+            self.cache.state["index_keys"] = k_idx
+        if k_idx.shape[1] != S:
+            raise ValueError(f"indexer: {k_idx.shape[1]} indexer keys for {S} keys; decode through the model's "
+                             f"KV cache, which keeps them")
+        return q_idx, k_idx, w
+
+    def index_scores(self, x, q_start, k_start):
+        """(B, T, S) float32 scores I of the queries q_start .. among the keys k_start ..;
+        x (B, S, C): the block's normalised inputs at the key positions k_start .., the
+        queries being its last T = k_start + S - q_start. -inf where a key is not visible."""
+        S = x.shape[1]
+        q_idx, k_idx, w = self.indexer(x.detach(), k_start)
+        T = k_start + S - q_start
+        return torch.cat([lightning_scores(q_idx[:, S - T + t0:S - T + t1], k_idx, w[:, S - T + t0:S - T + t1],
+                                           q_start + t0, k_start)
+                          for t0, t1 in self.chunks(x.shape[0], T, S)], dim=1)
+
+    def chunks(self, B, T, S):
+        rows = max(1, self.SCORES // (B * max(self.n_head, self.cfg.index_heads) * S))
+        return [(t0, min(T, t0 + rows)) for t0 in range(0, T, rows)]
+
+    @torch.no_grad()
+    def select(self, q_idx, k_idx, w, q_start, k_start):
+        """(B, T, n) long: each query's top-n keys by the indexer (`top_keys`), n = min(k, S)."""
+        n = min(self.topk, k_idx.shape[1])
+        return torch.cat([top_keys(lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start), n)
+                          for t0, t1 in self.chunks(q_idx.shape[0], q_idx.shape[1], k_idx.shape[1])], dim=1)
+
+    def attend(self, q, k, v, x, q_start, k_start):
+        op = self.ops(q.device)
+        q_idx, k_idx, w = self.index_inputs(x, q_start, k_start, k.shape[2])
+        keys = None
+        if self.dense_warmup:
+            y = op.attention(q, k, v, self.scale, q_start, k_start)
+        else:
+            keys = self.select(q_idx, k_idx, w, q_start, k_start)  # (B, T, n)
+            y = op.selected_attention(q, k, v, self.scale, q_start, k_start, keys)
+        self.indexer_loss = self.kl_loss(q, k, q_idx, k_idx, w, q_start, k_start, keys) if self.training else None
+        if self.record:
+            self.selection = keys
+            self.record_selection(q, k, q_idx, k_idx, w, q_start, k_start, keys)
+        return y
+
+    def kl_loss(self, q, k, q_idx, k_idx, w, q_start, k_start, keys):
+        """L^I, the mean over queries of KL(p_t || softmax(I[t, :])) over the visible keys
+        (keys None: the dense warm-up) or over the listed keys (B, T, n) (the sparse stage).
+        p from q, k without gradient; I with gradient into the indexer alone. A chunk of queries
+        at a time, each chunk checkpointed, so no (T, S) tensor per head is kept."""
+        B, T = q_idx.shape[:2]
+        run = self.kl_chunk
+        if torch.is_grad_enabled():
+            run = functools.partial(torch.utils.checkpoint.checkpoint, self.kl_chunk, use_reentrant=False)
+        total = 0.0
+        for t0, t1 in self.chunks(B, T, k.shape[2]):
+            total = total + run(q[:, :, t0:t1], k, q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start,
+                                None if keys is None else keys[:, t0:t1])
+        return total / (B * T)
+
+    def kl_chunk(self, q, k, q_idx, k_idx, w, q_start, k_start, keys):
+        """The sum over the chunk's queries of KL(p_t || softmax(I_t)) (see `kl_loss`)."""
+        S = k.shape[2]
+        scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, c, S), -inf where not visible
+        with torch.no_grad():
+            logits = (q.detach().float() @ expand_kv(k.detach().float(), self.n_head).transpose(-2, -1)) * self.scale
+            visible = scores.isfinite()[:, None]  # (B, 1, c, S)
+            if keys is not None:
+                slot = torch.where(keys < 0, S, keys)
+                chosen = torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=q.device)
+                visible = visible & chosen.scatter_(-1, slot, True)[..., :S][:, None]
+            target = softmax_or_zero(logits, visible).mean(1)  # (B, c, S): summed over heads, L1-normalised
+        log_q = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
+        kl = torch.xlogy(target, target) - target * log_q.masked_fill(target == 0, 0.0)
+        return kl.sum()
+
+    @torch.no_grad()
+    def record_selection(self, q, k, q_idx, k_idx, w, q_start, k_start, keys):
+        """For analyze.py: the mean distance of the selected keys (B, T, 1) and the share of
+        the dense attention's mass (summed over heads, normalised) they hold (B, T, 1)."""
+        if keys is None:
+            return
+        T = q.shape[2]
+        q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]  # (T, 1)
+        ok = keys >= 0
+        dist = ((q_pos - k_start - keys) * ok).sum(-1) / ok.sum(-1).clamp(min=1)  # (B, T)
+        self.gates["selected_distance"] = dist.float()[..., None]
+        logits = (q.float() @ expand_kv(k.float(), self.n_head).transpose(-2, -1)) * self.scale  # (B, H, T, S)
+        p = masked_softmax_attend_probs(logits, allowed(T, k.shape[2], q_start, k_start, q.device)).mean(1)
+        self.gates["kept_mass"] = p.gather(-1, keys.clamp(min=0)).masked_fill(~ok, 0.0).sum(-1)[..., None]
+
+    def oldest_key_needed(self, next_pos):
+        return 0
+
+
+def masked_softmax_attend_probs(logits, mask):
+    """softmax over the allowed keys in float32 (the probabilities `masked_softmax_attend` uses)."""
+    return torch.softmax(logits.float().masked_fill(~mask, float("-inf")), dim=-1)
+
 
 VARIANTS = {
     "full": CausalSelfAttention,
@@ -946,4 +1194,5 @@ VARIANTS = {
     "combiner": CombinerAttention,
     "nsa": NativeSparseAttention,
     "moba": MixtureOfBlockAttention,
+    "indexer": IndexerAttention,
 }

@@ -5,6 +5,7 @@
   topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
+  selected_attention(q, k, v, scale, q_start, k_start, keys)
 
 (attention.py documents what each computes; the variants there call them.) Two sets:
 
@@ -54,6 +55,11 @@ here and the loops write into float32 buffers):
 - block attention (nsa's selected branch, moba): `block_gather`. A chunk of queries at a
   time gathers the n blocks each query lists, (chunk, n * block) keys, one softmax; each
   chunk recomputed in the backward. Time O(T n block D), memory O(T D) plus one chunk.
+- selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
+  gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
+  recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
+FLEX's selected attention: the same, with a (B, T, S) bool choice read by the mask_mod
+(`selected_block_mask`).
 FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
 blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
 128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
@@ -73,7 +79,8 @@ import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 NEG_INF = float("-inf")
-Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention")
+Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
+                       "selected_attention")
 
 
 def expand_kv(k_BHSD, n_head):
@@ -785,9 +792,50 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
         return block_gather(q, k, v, blocks, off, block, k_start)
 
 
+# ---------------------------------------------------------------------------- BLOCKWISE: selected keys
+
+SELECTED_GATHER = 1 << 22  # gathered key elements of one chunk of queries (16 MB in float32)
+
+
+def blockwise_selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """attention.selected_attention: a chunk of queries at a time gathers the n keys each
+    lists, (B, Hkv, chunk, n, D), one softmax over them; each chunk checkpointed (its
+    gathered keys are rebuilt in the backward, not kept). The heads of a key head share its
+    gather (the selection is per query, not per head). Time O(T n H D), memory O(T (H D + n))
+    plus one chunk, never (T, S). A key listed twice would count twice (the selection never
+    lists one twice)."""
+    with torch.autocast(q.device.type, enabled=False):
+        off = key_offset(q, k, q_start, k_start)
+        q, k, v = _float32(q * scale, k, v)
+        B, H, T, D = q.shape
+        step = max(1, SELECTED_GATHER // (B * k.shape[1] * keys.shape[-1] * D))
+        run = _selected_chunk
+        if step < T and torch.is_grad_enabled():
+            run = functools.partial(torch.utils.checkpoint.checkpoint, _selected_chunk, use_reentrant=False)
+        return torch.cat([run(q[:, :, t0:t0 + step], k, v, keys[:, t0:t0 + step], off + t0)
+                          for t0 in range(0, T, step)], dim=2)
+
+
+def _selected_chunk(q, k, v, keys, first):
+    """blockwise_selected_attention for the queries q (B, H, c, D), scaled, at key indices
+    first .. first + c - 1; keys (B, c, n)."""
+    B, H, c, D = q.shape
+    Hkv = k.shape[1]
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    h = torch.arange(Hkv, device=q.device)[None, :, None, None]
+    idx = keys.clamp(min=0)[:, None]  # (B, 1, c, n)
+    keys_g, values_g = k[b, h, idx], v[b, h, idx]  # (B, Hkv, c, n, D)
+    logits = torch.einsum("bkgcd,bkcnd->bkgcn", q.view(B, Hkv, H // Hkv, c, D), keys_g)  # (B, Hkv, g, c, n)
+    ok = (keys >= 0) & (keys <= first + torch.arange(c, device=q.device)[:, None])  # (B, c, n) visible
+    ok = ok[:, None, None]
+    some = ok.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
+    p = torch.softmax(logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    return torch.einsum("bkgcn,bkcnd->bkgcd", p, values_g).reshape(B, H, c, D)
+
+
 BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attention,
                 blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention,
-                blockwise_block_attention)
+                blockwise_block_attention, blockwise_selected_attention)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -1041,5 +1089,34 @@ def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     return _run_flex(q, k, v, None, mask, scale)
 
 
+def selected_block_mask(keys, T, S, q_start, k_start):
+    """FlexAttention's BlockMask for attention.selected_attention: the mask_mod reads the
+    (B, T, S) choice built from the key lists (shared by the heads, so the mask has one head);
+    a query tile lists the key tiles any of its queries chose. Rebuilt in every call: the
+    selection depends on the data. A per-query top-k set touches most 128 x 128 tiles, so
+    this saves memory (no (T, S) scores), not tiles."""
+    B = keys.shape[0]
+    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
+    slot = torch.where(keys < 0, nk * FLEX_TILE, keys)  # -1 -> a spare column, dropped
+    chosen = torch.zeros(B, nq * FLEX_TILE, nk * FLEX_TILE + 1, dtype=torch.bool, device=keys.device)
+    chosen[:, :T].scatter_(-1, slot, True)
+    chosen = chosen[..., :-1]  # (B, nq * tile, nk * tile), padded rows and columns False
+
+    def mask_mod(b, h, i, j):
+        return (k_start + j <= q_start + i) & chosen[b, i, j]
+
+    tiles = chosen.view(B, nq, FLEX_TILE, nk, FLEX_TILE).any(4).any(2)[:, None]  # (B, 1, nq, nk)
+    kv_num = tiles.sum(-1, dtype=torch.int32)
+    kv_idx = tiles.int().argsort(dim=-1, descending=True, stable=True).int()  # listed tiles first
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
+
+
+def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """attention.selected_attention: one FlexAttention call on `selected_block_mask`."""
+    T, S = q.shape[2], k.shape[2]
+    q, k, v = _same_dtype(q, k, v)
+    return _run_flex(q, k, v, None, selected_block_mask(keys, T, S, q_start, k_start), scale)
+
+
 FLEX = Ops("FlexAttention + SDPA (kernels.py)", flex_attention_op, flex_pair_gated_attention,
-           flex_topk_attention, flex_combiner_attention, flex_block_attention)
+           flex_topk_attention, flex_combiner_attention, flex_block_attention, flex_selected_attention)

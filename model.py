@@ -63,6 +63,10 @@ class ModelConfig:
     moba_block: int = 64  # B: positions per block
     moba_topk: int = 4  # k: blocks per query, counting its own
     moba_full_last: int = 0  # the last this-many layers use full attention (the paper's hybrid)
+    # indexer ([DS32], DeepSeek Sparse Attention)
+    index_topk: int = 0  # k: keys per query (0: the window, so indexer and local see as many)
+    index_heads: int = 4  # H^I: the lightning indexer's heads
+    index_head_dim: int = 64  # d^I: their size (RoPE on the first half)
 
     CHOICES = dict(kernel=("ref", "fused", "flex"), dsa_window=("adaptive", "fixed", "none"),
                    asga_gate=("learned", "fixed", "off"), asga_gate_space=("logit", "prob"),
@@ -88,6 +92,15 @@ class ModelConfig:
                 raise ValueError(f"moba_block={self.moba_block} and moba_topk={self.moba_topk} must be >= 1")
             if not 0 <= self.moba_full_last <= self.n_layer:
                 raise ValueError(f"moba_full_last={self.moba_full_last} must be in 0 .. n_layer={self.n_layer}")
+        if self.attn == "indexer":
+            if self.index_topk < 0 or (self.index_topk == 0 and self.window < 1):
+                raise ValueError(f"index_topk={self.index_topk} must be >= 1 (keys per query; 0 takes the "
+                                 f"window, {self.window}, which must then be >= 1)")
+            if self.index_heads < 1:
+                raise ValueError(f"index_heads={self.index_heads} must be >= 1")
+            if self.index_head_dim < 4 or self.index_head_dim % 4:
+                raise ValueError(f"index_head_dim={self.index_head_dim} must be a positive multiple of 4: RoPE "
+                                 f"rotates its first half in pairs (e.g. 32, 64)")
 
     def check_nsa(self):
         l, d, block = self.nsa_cmp_block, self.nsa_cmp_stride, self.nsa_block
@@ -234,6 +247,14 @@ class Model(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def indexer_loss(self):
+        """The sum over layers of the indexer's KL loss ([DS32]; attention.IndexerAttention)
+        from the last training-mode forward; None when no layer has one. The training loss
+        adds it: it reaches the indexers alone."""
+        losses = [layer.self_attn.indexer_loss for layer in self.layers
+                  if getattr(layer.self_attn, "indexer_loss", None) is not None]
+        return sum(losses) if losses else None
 
     def record_gates(self, on=True):
         """Make every attention layer keep its gate values from the next forward passes."""

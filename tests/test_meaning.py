@@ -354,7 +354,7 @@ def learn_periodic(attn, steps=100, remove_attention=False):
     for _ in range(steps):
         _, loss = model(*periodic_batch(g))
         opt.zero_grad()
-        loss.backward()
+        (loss + (model.indexer_loss() or 0)).backward()  # indexer: its KL, as train.py adds it
         opt.step()
     with torch.no_grad():
         return model(*periodic_batch(torch.Generator().manual_seed(99), B=64))[1].item()

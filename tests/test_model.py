@@ -165,17 +165,18 @@ def test_caa_global_branch_keeps_ceil_sqrt_keys():
             assert (diff > 1e-4) if moves else (diff == 0)
 
 
-GATE_PARAMS = ("head_gate", "gamma", "w1_q", "w1_k", "b1", "w2", "b2", "mix_gate", "width", "branch_gate")
+GATE_PARAMS = ("head_gate", "gamma", "w1_q", "w1_k", "b1", "w2", "b2", "mix_gate", "width", "branch_gate", "indexer")
 
 
 @pytest.mark.parametrize("attn", list(VARIANTS))
 def test_every_parameter_gets_gradient(attn):
     """Every learned gate and scale parameter (and every other one) receives a non-zero
-    gradient from the LM loss."""
+    gradient from the LM loss (indexer's lightning indexer: from its own KL loss, which
+    train.py adds)."""
     model = make_model(attn, window=4, caa_window_max=8).train()
     idx = torch.randint(0, SMALL_VOCAB, (2, 33))
     _, loss = model(idx[:, :-1], idx[:, 1:])
-    loss.backward()
+    (loss + (model.indexer_loss() or 0)).backward()
     gate_params = 0
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().max() > 0, name

@@ -1,0 +1,368 @@
+"""indexer, DeepSeek Sparse Attention ([DS32]; attention.IndexerAttention): the indexer's
+scores, the selection and the attention against plain loops written here from the paper's
+equations (one query at a time), ties toward the most recent key, k >= t + 1 and k >= T
+(then `full`), causality and prefix invariance, cached decoding, the KL training loss against
+a hand computation in both stages, where its gradients go (and the language-model loss's),
+the core op `selected_attention` through the blockwise and FlexAttention paths equal to the
+reference (outputs and gradients, after cached keys too), bf16, and the configuration errors.
+
+Errors are relative, max|a - b| / max|b|, as in tests/test_kernels.py.
+"""
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention
+import kernels
+from model import PRESETS, Model, ModelConfig
+
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+SMALL = dict(n_head=4, n_kv_head=2, head_dim=8, d_model=16, window=6, index_heads=3, index_head_dim=8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(seed=0, **flags):
+    cfg = ModelConfig(**dict(PRESETS["tiny"], attn="indexer", **dict(SMALL, **flags)))
+    torch.manual_seed(seed)
+    module = attention.VARIANTS["indexer"](cfg)
+    for p in module.parameters():
+        p.data.normal_(0, 0.3)
+    return module
+
+
+def inputs(module, T, B=1, seed=1):
+    cfg = module.cfg
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, cfg.n_head, T, cfg.head_dim, generator=g)
+    k = torch.randn(B, cfg.n_kv_head, T, cfg.head_dim, generator=g)
+    v = torch.randn(B, cfg.n_kv_head, T, cfg.head_dim, generator=g)
+    x = torch.randn(B, T, cfg.d_model, generator=g)
+    return q, k, v, x
+
+
+def run(module, kernel, q, k, v, x, q_start=0):
+    cfg = module.cfg
+    module.cfg = dataclasses.replace(cfg, kernel=kernel)
+    try:
+        return module.attend(q, k, v, x, q_start, q_start)
+    finally:
+        module.cfg = cfg
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-2)).item()
+
+
+# ---------------------------------------------------------------------------- the paper's loops
+
+def rope_first_half(vec, pos, theta):
+    """Rotate-half RoPE on the first half of vec (d,), written out pair by pair."""
+    d = vec.shape[0]
+    r = d // 2
+    out = vec.clone()
+    for i in range(r // 2):
+        angle = pos * theta ** (-2 * i / r)
+        a, b = vec[i].item(), vec[i + r // 2].item()
+        out[i] = a * math.cos(angle) - b * math.sin(angle)
+        out[i + r // 2] = b * math.cos(angle) + a * math.sin(angle)
+    return out
+
+
+def scores_loop(module, x):
+    """[DS32] eq. 1, one query and key at a time: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]
+    / sqrt(d)) for s <= t, -inf after; q = W_q x, k = LayerNorm(W_k x), RoPE on the first
+    half of both, w = W_w x / sqrt(J)."""
+    ix = module.indexer
+    J, d = ix.n_head, ix.head_dim
+    B, T, _ = x.shape
+    out = torch.full((B, T, T), float("-inf"))
+    for b in range(B):
+        keys = []
+        for s in range(T):
+            raw = ix.k_proj.weight @ x[b, s]
+            normed = (raw - raw.mean()) / torch.sqrt(raw.var(unbiased=False) + ix.k_norm.eps)
+            keys.append(rope_first_half(normed * ix.k_norm.weight + ix.k_norm.bias, s, ix.theta))
+        for t in range(T):
+            qs = (ix.q_proj.weight @ x[b, t]).view(J, d)
+            w = (ix.weights_proj.weight @ x[b, t]) / math.sqrt(J)
+            qs = [rope_first_half(qs[j], t, ix.theta) for j in range(J)]
+            for s in range(t + 1):
+                out[b, t, s] = sum(w[j].item() * max(0.0, (qs[j] @ keys[s]).item() / math.sqrt(d)) for j in range(J))
+    return out
+
+
+def selection_loop(scores, k):
+    """Per query t: the min(k, t + 1) keys s <= t of highest score, ties to the larger s."""
+    B, T, _ = scores.shape
+    return [[sorted(sorted(range(t + 1), key=lambda s: (-float(scores[b, t, s]), -s))[:k]) for t in range(T)]
+            for b in range(B)]
+
+
+def attention_loop(q, k, v, chosen, scale):
+    """[DS32] eq. 2, one query and head at a time: softmax over the chosen keys."""
+    B, H, T, D = q.shape
+    group = H // k.shape[1]
+    out = torch.zeros(B, H, T, D)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                keys = chosen[b][t]
+                logits = torch.tensor([float(q[b, h, t] @ k[b, h // group, s]) * scale for s in keys])
+                p = torch.softmax(logits, 0)
+                out[b, h, t] = sum(pi * v[b, h // group, s] for pi, s in zip(p, keys))
+    return out
+
+
+def kl_loop(q, k, scores, chosen, scale):
+    """[DS32] eqs. 3-4 by hand: per query, p = the heads' softmaxes over the set, summed and
+    L1-normalised; KL(p || softmax(I over the set)); the mean over queries."""
+    B, H, T, _ = q.shape
+    group = H // k.shape[1]
+    total = 0.0
+    for b in range(B):
+        for t in range(T):
+            keys = chosen[b][t]
+            p = sum(torch.softmax(torch.tensor([float(q[b, h, t] @ k[b, h // group, s]) * scale for s in keys]), 0)
+                    for h in range(H))
+            p = p / p.sum()
+            log_i = torch.log_softmax(torch.tensor([float(scores[b, t, s]) for s in keys]), 0)
+            total += float((p * (p.log() - log_i)).sum())
+    return total / (B * T)
+
+
+# ---------------------------------------------------------------------------- tests
+
+def test_scores_equal_the_loop():
+    module = make()
+    x = inputs(module, 13, B=2)[3]
+    with torch.no_grad():
+        got = module.index_scores(x, 0, 0)
+    want = scores_loop(module, x)
+    assert got.shape == (2, 13, 13)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert rel(got[want.isfinite()], want[want.isfinite()]) < 1e-5
+
+
+def test_scores_of_the_last_queries_only():
+    """index_scores(x, q_start, k_start): the queries are the last T of x's positions."""
+    module = make()
+    x = inputs(module, 13)[3]
+    with torch.no_grad():
+        assert torch.equal(module.index_scores(x, 9, 0), module.index_scores(x, 0, 0)[:, 9:])
+
+
+@pytest.mark.parametrize("topk", [1, 4, 20])
+def test_selection_and_attention_equal_the_loops(topk):
+    """The selection equals a brute-force sort (ties to the most recent key) and the output the
+    loop over it, on every path; with one indexer head, ReLU zeroes about half the scores,
+    so ties are exercised; k >= t + 1 takes every visible key."""
+    module = make(index_topk=topk, index_heads=1)
+    q, k, v, x = inputs(module, 17, B=2)
+    with torch.no_grad():
+        scores = module.index_scores(x, 0, 0)
+        assert (scores == 0).float().mean() > 0.2  # ties are frequent
+        chosen = selection_loop(scores, topk)
+        keys = module.select(*module.indexer(x, 0), 0, 0)
+        got = [[sorted(s for s in row.tolist() if s >= 0) for row in keys[b]] for b in range(2)]
+        assert got == chosen
+        want = attention_loop(q, k, v, chosen, module.scale)
+        for kernel in ("ref", "fused", "flex"):
+            assert rel(run(module, kernel, q, k, v, x), want) < 1e-5, kernel
+
+
+def test_zero_indexer_selects_the_window_of_recent_keys():
+    """All scores 0 (w = 0): every tie goes to the most recent key, so the selection is the
+    k most recent keys, and the output equals `local` with window k - 1."""
+    module = make(index_topk=5)
+    with torch.no_grad():
+        module.indexer.weights_proj.weight.zero_()
+    q, k, v, x = inputs(module, 20)
+    with torch.no_grad():
+        keys = module.select(*module.indexer(x, 0), 0, 0)
+        for t in range(20):
+            assert sorted(s for s in keys[0, t].tolist() if s >= 0) == list(range(max(0, t - 4), t + 1))
+        local = attention.attention(q, k, v, module.scale, 0, 0, window=4)
+        for kernel in ("ref", "fused", "flex"):
+            assert rel(run(module, kernel, q, k, v, x), local) < 1e-5, kernel
+
+
+def test_topk_at_least_T_is_full_attention():
+    module = make(index_topk=30)
+    q, k, v, x = inputs(module, 25)
+    with torch.no_grad():
+        full = attention.attention(q, k, v, module.scale, 0, 0)
+        for kernel in ("ref", "fused", "flex"):
+            assert rel(run(module, kernel, q, k, v, x), full) < 1e-5
+
+
+def test_index_topk_defaults_to_the_window():
+    assert make(window=7).topk == 7
+    assert make(window=7, index_topk=3).topk == 3
+
+
+def test_kl_equals_the_hand_computation_in_both_stages():
+    module = make(index_topk=4).train()
+    q, k, v, x = inputs(module, 11, B=2)
+    scores = module.index_scores(x, 0, 0).detach()
+    for dense in (True, False):
+        module.dense_warmup = dense
+        run(module, "ref", q, k, v, x)
+        if dense:
+            chosen = [[list(range(t + 1)) for t in range(11)] for _ in range(2)]
+        else:
+            chosen = selection_loop(scores, 4)
+        want = kl_loop(q, k, scores, chosen, module.scale)
+        assert abs(module.indexer_loss.item() - want) < 1e-5 * max(1.0, want), (dense, module.indexer_loss.item(), want)
+    module.eval()
+    run(module, "ref", q, k, v, x)
+    assert module.indexer_loss is None
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_gradients_are_separated(dense):
+    """The KL reaches the indexer alone (none into x, q, k, v or the main projections); the
+    attention output, hence the language-model loss, reaches everything but the indexer."""
+    module = make(index_topk=4).train()
+    module.dense_warmup = dense
+    q, k, v, x = (t.requires_grad_() for t in inputs(module, 15, B=2))
+    y = run(module, "fused", q, k, v, x)
+    indexer = list(module.indexer.parameters())
+    grads = torch.autograd.grad(module.indexer_loss, [q, k, v, x] + indexer, allow_unused=True)
+    assert all(g is None or g.abs().max() == 0 for g in grads[:4])
+    assert all(g is not None and g.abs().max() > 0 for g in grads[4:])
+    grads = torch.autograd.grad(y.square().sum(), [q, k, v, x] + indexer, allow_unused=True)
+    assert all(g is not None and g.abs().max() > 0 for g in grads[:3])
+    assert all(g is None or g.abs().max() == 0 for g in grads[3:])
+
+
+def tiny(kernel, **flags):
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**dict(PRESETS["tiny"], vocab_size=512, attn="indexer", kernel=kernel,
+                                     window=6, index_head_dim=16, **flags)))
+    for name, p in model.named_parameters():  # an indexer whose scores are far from ties
+        if "indexer" in name and p.dim() == 2:
+            p.data.normal_(0, 0.3)
+    return model
+
+
+def test_causal_and_prefix_invariant():
+    """A token's output depends on earlier tokens only: a prefix gives the same logits, and
+    changing a later token leaves the earlier ones unchanged."""
+    idx = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for kernel in ("ref", "fused"):
+            model = tiny(kernel).eval()
+            full, _ = model(idx)
+            assert rel(model(idx[:, :23])[0], full[:, :23]) < 1e-5
+            changed = idx.clone()
+            changed[:, 30] = (changed[:, 30] + 1) % 512
+            assert rel(model(changed)[0][:, :30], full[:, :30]) < 1e-5
+
+
+def test_cached_decoding_equals_the_forward():
+    """Prefill 20, decode one at a time to 50, then 10 at a time to 70 (indexer keys cached
+    too): the fused path's logits equal the reference's uncached forward."""
+    idx = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, _ = tiny("ref").eval()(idx)
+        model = tiny("fused").eval()
+        cache = model.new_cache()
+        steps = [model(idx[:, :20], cache=cache)[0]]
+        steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 50)]
+        steps += [model(idx[:, t:t + 10], cache=cache)[0] for t in range(50, 70, 10)]
+    assert rel(torch.cat(steps, 1), full) < 1e-4
+
+
+@pytest.mark.parametrize("q_start", [0, 37])
+def test_selected_attention_paths_equal_the_reference(q_start):
+    """The core op alone, on random selections (with empty slots), after cached keys too:
+    blockwise outputs and q, k, v gradients in several chunks; flex outputs."""
+    g = torch.Generator().manual_seed(4)
+    B, H, Hkv, T, D, n = 2, 4, 2, 45, 8, 7
+    S = q_start + T
+    q = torch.randn(B, H, T, D, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, generator=g, requires_grad=True)
+    scores = torch.rand(B, T, S, generator=g)
+    scores = scores.masked_fill(~attention.allowed(T, S, q_start, 0, "cpu"), float("-inf"))
+    keys = attention.top_keys(scores, n)
+    assert (keys < 0).any() or q_start > 0
+    cot = torch.randn(B, H, T, D, generator=g)
+    ref = attention.selected_attention(q, k, v, 0.3, q_start, 0, keys)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
+    step = kernels.SELECTED_GATHER
+    kernels.SELECTED_GATHER = B * Hkv * n * D * 8  # 8 queries per chunk: several checkpointed chunks
+    try:
+        out = kernels.BLOCKWISE.selected_attention(q, k, v, 0.3, q_start, 0, keys)
+    finally:
+        kernels.SELECTED_GATHER = step
+    assert rel(out, ref) < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
+        assert rel(a, b) < 1e-4
+    with torch.no_grad():
+        flex = kernels.FLEX.selected_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, 0, keys)
+    assert rel(flex, ref) < 1e-5
+
+
+def test_fused_and_flex_equal_the_reference():
+    """Whole variant, T = 45 and 130 (past FlexAttention's 128 tile): fused outputs and the
+    gradients of q, k, v, x and every parameter, and of the KL; flex outputs and the KL's
+    gradients (flex's selected attention captures no tensor that needs one)."""
+    module = make(index_topk=9).train()
+    for T in (45, 130):
+        q, k, v, x = (t.requires_grad_() for t in inputs(module, T, B=2))
+        named = dict(q=q, k=k, v=v, x=x, **dict(module.named_parameters()))
+        cot = torch.randn(2, 4, T, 8)
+        ref = run(module, "ref", q, k, v, x)
+        ref_grads = torch.autograd.grad((ref * cot).sum() + module.indexer_loss, list(named.values()), allow_unused=True)
+        out = run(module, "fused", q, k, v, x)
+        assert rel(out, ref) < 1e-5, T
+        grads = torch.autograd.grad((out * cot).sum() + module.indexer_loss, list(named.values()), allow_unused=True)
+        for name, a, b in zip(named, grads, ref_grads):
+            if b is None:
+                assert a is None, name
+            else:
+                assert rel(a, b) < 1e-4, (name, T)
+        flex = run(module, "flex", q.detach(), k.detach(), v.detach(), x)  # no q, k, v backward on CPU
+        assert rel(flex, ref) < 1e-5, T
+        indexer = list(module.indexer.parameters())
+        for a, b in zip(torch.autograd.grad(module.indexer_loss, indexer), ref_grads[-len(indexer):]):
+            assert rel(a, b) < 1e-4, T
+
+
+def test_bf16_forward_and_backward():
+    idx = torch.randint(0, 512, (2, 81), generator=torch.Generator().manual_seed(5))
+    for kernel in ("ref", "fused", "flex"):
+        model = tiny(kernel).train()
+        with torch.no_grad():
+            _, loss32 = model(idx[:, :-1], idx[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(kernel != "flex"):
+            _, loss16 = model(idx[:, :-1], idx[:, 1:])
+            kl = sum(layer.self_attn.indexer_loss for layer in model.layers)
+        if kernel != "flex":
+            (loss16 + kl).backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+            assert all(p.grad is not None for p in model.parameters())
+        assert torch.isfinite(kl)
+        assert abs(loss16.item() - loss32.item()) < 2e-2 * loss32.item(), (kernel, loss16.item(), loss32.item())
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (dict(index_topk=-1), "index_topk=-1 must be >= 1"),
+    (dict(index_heads=0), "index_heads=0 must be >= 1"),
+    (dict(index_head_dim=30), "index_head_dim=30 must be a positive multiple of 4"),
+])
+def test_bad_settings_name_the_flag(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig(attn="indexer", **flags)
