@@ -105,6 +105,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto | bfloat16 | float32: the autocast dtype; weights stay float32
     compile: bool = False  # torch.compile the model (worth it on GPU)
     dry_run: bool = False  # print the plan and exit (needs neither a GPU nor data)
+    # indexer ([DS32]): the first steps attend densely while the lightning indexer learns
+    indexer_warmup: int = 50  # steps of dense attention (the paper's dense warm-up); 0: sparse from step 1
+    indexer_lr: float = 1e-3  # the indexer's peak lr (the paper's warm-up lr), same schedule shape
 
 
 # Named setups; a preset's values replace the TrainConfig defaults above.
@@ -275,6 +278,9 @@ def parse_args(argv):
     model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
     mc = model_config(tc, model_keys)
     check_budget(mc, tc.seq_len)
+    if mc.attn == "indexer" and not 0 <= tc.indexer_warmup <= tc.max_steps:
+        fail(f"--indexer_warmup={tc.indexer_warmup}: must be in 0 .. max_steps={tc.max_steps} (steps of dense "
+             f"attention before the indexer's selection takes over)")
     return tc, mc, set(given)
 
 
@@ -441,6 +447,12 @@ def window_plan(mc, seq_len):
         line = f"its own block and the top {mc.moba_topk - 1} earlier blocks of {mc.moba_block} ({reach} keys){of}"
         return line, (f"moba: {mc.moba_topk} blocks of {mc.moba_block} cover the whole {T}-token sequence, so it "
                       f"computes full attention; pass a smaller --moba_topk or --moba_block" if reach >= T else None)
+    if v == "indexer":
+        k = mc.index_topk or W
+        line = (f"the top {k} keys per query by a lightning indexer of {mc.index_heads} heads of "
+                f"{mc.index_head_dim} (index_topk{'' if mc.index_topk else ' = the window'}){of}")
+        return line, (f"indexer: {k} keys per query cover the whole {T}-token sequence, so it computes full "
+                      f"attention; pass --index_topk below {T}" if k >= T else None)
     gate = "a learned pair gate on " if v == "asga" and mc.asga_gate == "learned" else ""
     return f"none: {gate}every key j <= i{of}", None
 
@@ -485,7 +497,9 @@ def print_plan(tc, mc, run, accum, action):
         f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
         f"x {run['world']} process(es) x {accum} accumulation",
         f"steps       {tc.max_steps:,}" + (f" (this job stops after {tc.stop_step:,})" if tc.stop_step else "")
-        + f", lr {tc.lr:g}, warm-up {tc.warmup_steps}, cosine to {tc.min_lr_frac:g} x lr",
+        + f", lr {tc.lr:g}, warm-up {tc.warmup_steps}, cosine to {tc.min_lr_frac:g} x lr"
+        + (f"; indexer lr {tc.indexer_lr:g}, dense for the first {tc.indexer_warmup} steps (indexer_warmup), "
+           f"then sparse" if mc.attn == "indexer" else ""),
         f"tokens      {planned:,} planned; {data_line}",
         f"compile     {'on' if tc.compile else 'off'}",
         f"run folder  {tc.out_dir} ({FOLDER_LINES[action]})",
@@ -503,6 +517,15 @@ def print_plan(tc, mc, run, accum, action):
 
 # ----------------------------------------------------------------------------- optimisation
 
+def set_dense_warmup(model, on):
+    """Switch the indexer layers' dense warm-up ([DS32] §2.1) on or off; None when the model
+    has no indexer, else `on`."""
+    layers = [layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "dense_warmup")]
+    for attn in layers:
+        attn.dense_warmup = on
+    return on if layers else None
+
+
 def lr_at(step, tc):
     """Linear warm-up to lr over warmup_steps, then cosine down to lr * min_lr_frac."""
     if step < tc.warmup_steps:
@@ -517,11 +540,19 @@ def make_optimizer(model, tc):
     embedding (also the tied head) are not decayed, as in nanoGPT / GPT-3. The fused kernel
     exists on CPU too and is ~8x faster there than the default for-each one."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    indexer = {id(p) for name, p in model.named_parameters() if ".indexer." in name}
+    decay, no_decay, index_decay, index_no_decay = [], [], [], []
     for p in model.parameters():  # parameters() yields a tied weight once
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+        matrix = p.dim() >= 2 and id(p) not in embeddings
+        if id(p) in indexer:  # [DS32]'s indexer has its own lr (lr_scale: indexer_lr / lr)
+            (index_decay if matrix else index_no_decay).append(p)
+        else:
+            (decay if matrix else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": tc.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if indexer:
+        groups += [{"params": index_decay, "weight_decay": tc.weight_decay, "lr_scale": tc.indexer_lr / tc.lr},
+                   {"params": index_no_decay, "weight_decay": 0.0, "lr_scale": tc.indexer_lr / tc.lr}]
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
@@ -825,16 +856,21 @@ def main(argv=None):
         t0 = time.time()
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        dense = set_dense_warmup(raw_model, step < tc.indexer_warmup)
         loss_sum = torch.zeros((), device=device)
+        kl_sum = torch.zeros((), device=device)
         for micro in range(accum):
             x, y = loader.next_batch()  # (B, T) each, this rank's slice of the global batch
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with model.no_sync() if ddp and micro < accum - 1 else nullcontext():  # all-reduce on the last only
                 with run["autocast"]:
                     _, loss = model(x, y)
-                (loss / accum).backward()
+                    kl = raw_model.indexer_loss()  # [DS32]'s KL: it reaches the indexers alone
+                ((loss if kl is None else loss + kl) / accum).backward()
             loss_sum += loss.detach().float()
+            if kl is not None:
+                kl_sum += kl.detach().float() / accum
         # One all-reduce carries the loss and any stop request, so every rank takes the same
         # decision (a rank leaving alone would hang the others).
         stats = torch.stack([loss_sum / accum, torch.tensor(float(stop.signum is not None), device=device)])
@@ -852,12 +888,19 @@ def main(argv=None):
         dt = time.time() - t0
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tok_s": tc.total_batch_tokens / dt,
                   "mem_gb": peak_memory_gb(device), "tokens": step * tc.total_batch_tokens}
+        if dense is not None:  # the indexer's KL (this rank's), summed over layers, and its stage
+            record.update(indexer_kl=kl_sum.item(), indexer_stage="dense" if dense else "sparse")
         # -- evaluation
         if step % tc.eval_every == 0 or step == tc.max_steps:
             record["val"], record["gates"] = evaluate(eval_model, raw_model, val_loader, gate_x, run)
             if target_step is None and tc.target_loss > 0 and record["val"] <= tc.target_loss:
                 target_step = record["steps_to_target"] = step
         val_text = f" | val {record['val']:.4f}" if "val" in record else ""
+        if "indexer_kl" in record:
+            val_text += f" | kl {record['indexer_kl']:.4f} ({record['indexer_stage']})"
+        kept = record.get("gates", {}).get("kept_mass")
+        if kept:  # share of the dense attention's mass on the selected keys, mean over layers
+            val_text += f" | kept {sum(m[0] for m in kept['mean']) / len(kept['mean']):.3f}"
         log(f"step {step}/{tc.max_steps} | loss {loss_value:.4f}{val_text} | {record['tok_s'] / 1e3:.1f}k tok/s "
             f"| {record['mem_gb']:.1f} GB | lr {lr:.1e}")
         runlog.write(record)

@@ -366,3 +366,59 @@ def test_bf16_forward_and_backward():
 def test_bad_settings_name_the_flag(flags, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig(attn="indexer", **flags)
+
+
+# ---------------------------------------------------------------------------- train.py
+
+def train(*args, check=True):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "train.py"), *args], cwd=root, capture_output=True, text=True,
+                       timeout=240, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def byte_shards(tmp_path_factory):
+    import data
+    words = "the indexer picks the keys the main attention would weigh most and learns from it".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (60,), generator=g).tolist()) for _ in range(60)]
+    out = tmp_path_factory.mktemp("bytes")
+    data.tokenize_to_shards(docs, str(out), "words", shard_tokens=100_000, val_tokens=2000, workers=1, tokenizer="byte")
+    return out
+
+
+def test_train_runs_dense_then_sparse_and_logs_the_kl(byte_shards, tmp_path):
+    """Four CPU steps, two of them dense (--indexer_warmup=2): the log lines show the KL and its
+    stage; the JSONL records them; the indexer's parameter group has its own lr."""
+    import json
+    r = train("--preset=cpu", f"--data_dir={byte_shards}", f"--out_dir={tmp_path}", "--max_steps=4", "--eval_every=4",
+              "--batch_size=2", "--total_batch_tokens=512", "--val_tokens=512", "--seq_len=128", "--attn=indexer",
+              "--window=16", "--indexer_warmup=2", "--warmup_steps=1", "--indexer_lr=2e-3")
+    assert "the top 16 keys per query by a lightning indexer" in r.stdout
+    assert "indexer lr 0.002, dense for the first 2 steps" in r.stdout
+    lines = [line for line in r.stdout.splitlines() if line.startswith("step ") and "loss" in line]
+    assert [("(dense)" in line, "(sparse)" in line) for line in lines] == [(True, False)] * 2 + [(False, True)] * 2
+    assert "| kept " in lines[-1]
+    records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    kls = [rec["indexer_kl"] for rec in records if "indexer_kl" in rec]
+    assert len(kls) == 4 and all(k > 0 for k in kls)
+
+
+def test_train_refuses_a_warmup_longer_than_the_run(tmp_path):
+    r = train("--attn=indexer", "--max_steps=5", "--indexer_warmup=6", f"--out_dir={tmp_path}", "--dry_run", check=False)
+    assert r.returncode != 0 and "--indexer_warmup=6: must be in 0 .. max_steps=5" in r.stderr
+
+
+def test_cuda_dry_run_plan(tmp_path):
+    """The GPU preset's plan for indexer, on a machine without a GPU (--dry_run needs none)."""
+    r = train("--attn=indexer", "--preset=qwen-134m", "--device=cuda", "--dry_run", f"--out_dir={tmp_path / 'run'}", check=False)
+    if "CUDA is not available" in r.stderr:
+        pytest.skip("this train.py refuses --device=cuda without CUDA even for a dry run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "FlexAttention" in r.stdout and "lightning indexer" in r.stdout
