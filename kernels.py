@@ -841,16 +841,24 @@ BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attentio
 # ---------------------------------------------------------------------------- FLEX: the core ops
 
 _compiled_flex = None
+COMPILE_FLEX = None  # compile FlexAttention: None = on CUDA only; True/False forces it (tests)
+# Calls with at most this many query rows (decoding: one token, or a short chunk, against a
+# cache that grows every step) run FlexAttention uncompiled: each new length would be a new
+# compile (dynamo gives up after 8), and uncompiled, a few rows materialize only their own
+# (rows, S) scores.
+DECODE_ROWS = 16
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask
 MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bounded
 
 
 def _run_flex(q, k, v, score_mod, block_mask, scale):
-    """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores); inside an
-    outer torch.compile the plain function is traced into that graph instead."""
+    """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores) except for
+    decode-sized calls (`DECODE_ROWS`); inside an outer torch.compile the plain function is
+    traced into that graph instead."""
     global _compiled_flex
     fn = flex_attention
-    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+    compiled = q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX
+    if compiled and q.shape[2] > DECODE_ROWS and not torch.compiler.is_compiling():
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex

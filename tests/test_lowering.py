@@ -129,3 +129,28 @@ def test_captured_gradients_are_per_row(attn, flags):
     assert scatters, f"{attn} {flags}: no captured tensor takes a gradient"
     for idx in scatters:
         assert {"b", "h"} <= idx and idx & {"i", "j"}, f"{attn} {flags}: a captured gradient indexed by {sorted(idx)}"
+
+
+@pytest.mark.parametrize("attn", sorted(VARIANTS))
+def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
+    """With the compiled FlexAttention path forced on (as on CUDA), a prompt and then 20
+    cached decoding steps compile at most twice: decode-sized calls (kernels.DECODE_ROWS)
+    run uncompiled, instead of one compile per cache length (dynamo stops at 8). The compiles
+    are counted by dynamo with a counting backend (no code generated)."""
+    from torch._dynamo.testing import CompileCounter
+
+    import sample
+    from model import Model
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernels, "COMPILE_FLEX", True)
+    monkeypatch.setattr(kernels, "_compiled_flex", torch.compile(flex_attention, backend=counter, dynamic=False))
+    cfg = ModelConfig(**dict(PRESETS["tiny"], attn=attn, kernel="flex", **SMALL))
+    torch.manual_seed(0)
+    model = Model(cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, 40))
+    with torch.no_grad():
+        sample.generate(model, prompt, 20, temperature=0.0)
+    torch._dynamo.reset()
+    assert counter.frame_count <= 2, f"{attn}: {counter.frame_count} compiles over 20 decoding steps"
