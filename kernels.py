@@ -49,9 +49,10 @@ here and the loops write into float32 buffers):
 - top-k attention: `TopkAttention`. Per query block, dense scores pick each query's k_i
   keys; only the chosen indices and probabilities, (T, k_max) per head, are kept.
 - combiner attention: `combiner_blocks`. Direct logits (s, s) inside each aligned block of
-  s queries and span logits (s, R) against the R block summaries, one softmax: time and
-  memory O(T (s + R)), never (T, S). A chunk of blocks at a time, each recomputed in the
-  backward (memory O(T D) plus one chunk).
+  s queries and span logits (s, R) against the R block summaries, one softmax: one SDPA
+  call (flash on CPU, forward and backward) whose "heads" are the blocks, each over its
+  own keys and the summaries, with one (n, s, s + R) mask: time O(T (s + R)), memory
+  O(T (s + R)) bools for the mask plus O(T D), never (T, S).
 - block attention (nsa's selected branch, moba): `block_gather`. A chunk of queries at a
   time gathers the n blocks each query lists, (chunk, n * block) keys, one softmax; each
   chunk recomputed in the backward. Time O(T n block D), memory O(T D) plus one chunk.
@@ -591,9 +592,6 @@ class TopkAttention(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: combiner
 
-COMBINER_CHUNK = 1 << 22  # logits per chunk of blocks (16 MB in float32)
-
-
 def to_blocks(x_BhLD, block):
     """(B, h, L, D) -> (B, h, n, s, D): zero rows after the L rows, up to n whole blocks of s."""
     pad = -x_BhLD.shape[2] % block
@@ -607,42 +605,34 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
 
     q (B, H, L, D), k, v (B, Hkv, L, D) at the same positions, the first one the start of
     block `first_block`; kbar (B, Hkv, R, D), vbar (B, H, R, D) the summaries of blocks
-    0 .. R-1. Grouped heads share their key head through a (Hkv, g) split of the query heads,
-    no copy. Blocks go COMBINER_CHUNK logits at a time; with autograd on and more than one
-    chunk, each chunk keeps only its output and recomputes its probabilities in the backward
-    ([Flash]'s trade, through torch.utils.checkpoint): memory O(T D) plus one chunk, time
-    O(T (s + R))."""
+    0 .. R-1. What it fuses: each block of s queries is one "head" of a single SDPA call
+    (flash on CPU too: tiled, forward and backward, no (s, s + R) logits kept) over its own
+    s keys followed by the R summaries, with one (n, s, s + R) mask (causal inside the
+    block, summary r visible to block n when r < first_block + n). Why: the einsum, mask,
+    concatenation and softmax of each block done op by op spent more time copying than
+    multiplying (issue 24's profile: aten::copy_ 44% of a training step). The only copies
+    left are the summaries repeated once per block, (n, R, D), and GQA's key heads: memory
+    O(T D + n R D + T (s + R)) (the mask), time O(T (s + R) D). Without summaries (R = 0:
+    one block, as at train.py's CPU preset) it is SDPA's causal attention over each block."""
     B, H, L, D = q.shape
-    Hkv, R = k.shape[1], kbar.shape[2]
-    g = H // Hkv
-    qb = to_blocks(q * scale, block)  # (B, H, nb, s, D); padded rows are dropped at the end
+    R = kbar.shape[2]
+    qb = to_blocks(q, block)  # (B, H, nb, s, D); padded rows are dropped at the end
     nb = qb.shape[2]
-    qb = qb.view(B, Hkv, g, nb, block, D)
-    kb, vb = to_blocks(k, block), to_blocks(v, block)  # (B, Hkv, nb, s, D)
-    vbar = vbar.view(B, Hkv, g, R, vbar.shape[-1])
-    step = max(1, COMBINER_CHUNK // (B * H * block * (block + R)))  # blocks per chunk
-    run = _combiner_chunk
-    if step < nb and torch.is_grad_enabled():
-        run = functools.partial(torch.utils.checkpoint.checkpoint, _combiner_chunk, use_reentrant=False)
-    out = torch.cat([run(qb[:, :, :, n:n + step], kb[:, :, n:n + step], vb[:, :, n:n + step], kbar, vbar,
-                         first_block + n) for n in range(0, nb, step)], dim=3)  # (B, Hkv, g, nb, s, D)
+    kb, vb = to_blocks(expand_kv(k, H), block), to_blocks(expand_kv(v, H), block)  # (B, H, nb, s, D)
+    if R == 0:
+        out = F.scaled_dot_product_attention(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
+                                             is_causal=True, scale=scale)  # (B*H, nb, s, D)
+    else:
+        keys = torch.cat([kb, expand_kv(kbar, H)[:, :, None].expand(B, H, nb, R, D)], 3)  # (B, H, nb, s + R, D)
+        values = torch.cat([vb, vbar[:, :, None].expand(B, H, nb, R, vbar.shape[-1])], 3)
+        causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()  # (s, s)
+        earlier = (torch.arange(R, device=q.device)
+                   < first_block + torch.arange(nb, device=q.device)[:, None])  # (nb, R): spans r < block
+        # 4-d: a 3-d mask sends SDPA on CPU to its math path (the whole (s, s + R) logits, op by op)
+        mask = torch.cat([causal.expand(nb, block, block), earlier[:, None].expand(nb, block, R)], 2)
+        out = F.scaled_dot_product_attention(qb.flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
+                                             attn_mask=mask[None], scale=scale)  # (B*H, nb, s, D)
     return out.reshape(B, H, nb * block, -1)[:, :, :L]
-
-
-def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
-    """combiner_blocks for the n blocks first_block .. of qb (B, Hkv, g, n, s, D), q scaled."""
-    n, block, R = qb.shape[3], qb.shape[4], kbar.shape[2]
-    causal = torch.ones(block, block, dtype=torch.bool, device=qb.device).tril()  # (s, s)
-    earlier = (torch.arange(R, device=qb.device)
-               < first_block + torch.arange(n, device=qb.device)[:, None])  # (n, R): spans r < block
-    # masked in place: einsum's backward needs its inputs, not its output
-    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb)  # (B, Hkv, g, n, s, s)
-    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar)  # (B, Hkv, g, n, s, R)
-    direct.masked_fill_(~causal, NEG_INF)
-    span.masked_fill_(~earlier[:, None, :], NEG_INF)
-    p = torch.softmax(torch.cat([direct, span], dim=-1), dim=-1)  # (B, Hkv, g, n, s, s + R)
-    return (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
-            + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: block attention
