@@ -70,6 +70,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import flops
 from attention import VARIANTS, attention_path
 from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint
 
@@ -476,7 +477,8 @@ def print_plan(tc, mc, run, accum, action):
     """The run's plan, printed once (rank 0) before the first step, with the data budget;
     action: what the run does with out_dir (folder_action)."""
     with torch.device("meta"):  # the parameter count without allocating the weights
-        n_params = Model(mc).num_params()
+        meta_model = Model(mc)
+    n_params = meta_model.num_params()
     planned = tc.max_steps * tc.total_batch_tokens
     found, problem = train_tokens_found(tc.data_dir)
     make = shards_command(tc, mc)
@@ -492,6 +494,7 @@ def print_plan(tc, mc, run, accum, action):
         f"device      {run['device']} x {run['world']} process(es)" + (" (dry run)" if tc.dry_run else ""),
         f"precision   {precision}",
         f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
+        f"flops       {flops.describe(meta_model, tc.seq_len)} (flops.py; MFU in the log on A100/H100/H200)",
         f"attention   {mc.attn}, {attention_path(mc, run['device'])}",
         f"window      {window_line}",
         f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
@@ -655,7 +658,7 @@ class RunLog:
     when the job died) are dropped, and `lost` says how many steps that was."""
 
     def __init__(self, out_dir, master, run_info, step, resumed):
-        self.master, self.lost, self.file = master, 0, None
+        self.master, self.lost, self.file, self.info = master, 0, None, run_info
         if not master:
             return
         path = os.path.join(out_dir, "log.jsonl")
@@ -763,6 +766,8 @@ def open_log(tc, mc, run, accum, raw_model, step, resumed):
     run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
                 "world_size": run["world"], "grad_accum": accum, "num_params": raw_model.num_params(),
                 "tokenizer": data.tokenizer_of(tc.data_dir)[0],
+                "flops_per_token": flops.flops_per_token(raw_model, tc.seq_len),
+                "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
                 "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
                 "train": asdict(tc), "model": asdict(mc)}
     runlog = RunLog(tc.out_dir, run["master"], run_info, step, resumed)
@@ -774,6 +779,14 @@ def open_log(tc, mc, run, accum, raw_model, step, resumed):
                   f"lost {runlog.lost} step(s) run after that checkpoint", flush=True)
         runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
     return runlog
+
+
+def throughput(tok_s, info, world):
+    """FLOP/s per device from the run's tokens/s (all processes), and the MFU against the
+    device's dense bf16 peak where flops.PEAK_BF16 knows the device (CUDA only)."""
+    flop_s = info["flops_per_token"] * tok_s / world
+    use = flops.mfu(flop_s, info["device_name"]) if info["device"].startswith("cuda") else None
+    return {"flop_s": flop_s} if use is None else {"flop_s": flop_s, "mfu": use}
 
 
 class StopRequest:
@@ -888,6 +901,7 @@ def main(argv=None):
         dt = time.time() - t0
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tok_s": tc.total_batch_tokens / dt,
                   "mem_gb": peak_memory_gb(device), "tokens": step * tc.total_batch_tokens}
+        record.update(throughput(record["tok_s"], runlog.info, world))
         if dense is not None:  # the indexer's KL (this rank's), summed over layers, and its stage
             record.update(indexer_kl=kl_sum.item(), indexer_stage="dense" if dense else "sparse")
         # -- evaluation
@@ -901,8 +915,9 @@ def main(argv=None):
         kept = record.get("gates", {}).get("kept_mass")
         if kept:  # share of the dense attention's mass on the selected keys, mean over layers
             val_text += f" | kept {sum(m[0] for m in kept['mean']) / len(kept['mean']):.3f}"
+        use = f"mfu {100 * record['mfu']:.1f}%" if "mfu" in record else f"{record['flop_s'] / 1e12:.3g} TFLOP/s"
         log(f"step {step}/{tc.max_steps} | loss {loss_value:.4f}{val_text} | {record['tok_s'] / 1e3:.1f}k tok/s "
-            f"| {record['mem_gb']:.1f} GB | lr {lr:.1e}")
+            f"| {use} | {record['mem_gb']:.1f} GB | lr {lr:.1e}")
         runlog.write(record)
         # -- checkpoint
         if stats[1] > 0:
