@@ -113,6 +113,18 @@ def test_log_records_model_flops_and_the_flop_rate(single_run):
     assert "TFLOP/s" in r.stdout and "flops       " in r.stdout
 
 
+def test_preflight_runs_in_train_py_and_a_typed_failing_kernel_stops_it(shards, tmp_path):
+    """--preflight=on (the default on CUDA only): a working path is reported and trains; a
+    typed --kernel=flex, whose backward fails on a CPU, stops the run before it writes anything."""
+    ok = train(*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path / 'ok'}", "--max_steps=1", "--attn=local",
+               "--window=8", "--preflight=on")
+    assert "preflight: kernel=fused" in ok.stdout and "matches the reference" in ok.stdout
+    bad = train(*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path / 'bad'}", "--max_steps=1", "--attn=local",
+                "--window=8", "--preflight=on", "--kernel=flex", check=False)
+    assert bad.returncode == 1 and "error: preflight: kernel=flex" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "bad" / "ckpt.pt").exists()
+
+
 def test_resume_gives_the_same_losses(shards, single_run, tmp_path):
     straight, _ = single_run
     half = [*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path}", f"--max_steps={STEPS}", "--eval_every=3"]
