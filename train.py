@@ -506,6 +506,8 @@ def print_plan(tc, mc, run, accum, action):
            f"then sparse" if mc.attn == "indexer" else ""),
         f"tokens      {planned:,} planned; {data_line}",
         f"compile     {'on' if tc.compile else 'off'}",
+        f"preflight   " + ("on: kernel=" + mc.kernel + " checked against kernel=ref before step 1, with a fallback"
+                           if preflight_on(tc, run["device"]) and mc.kernel != "ref" else "off"),
         f"run folder  {tc.out_dir} ({FOLDER_LINES[action]})",
     ]
     print("plan\n  " + "\n  ".join(lines), flush=True)
@@ -523,6 +525,10 @@ def print_plan(tc, mc, run, accum, action):
 
 # Fallbacks, best first, for an attention path that fails its preflight.
 FALLBACKS = ("blockwise", "ref")
+
+
+def preflight_on(tc, device):
+    return tc.preflight == "on" or (tc.preflight == "auto" and device.startswith("cuda"))
 
 
 def preflight(raw_model, x, mc, run, typed):
@@ -917,7 +923,7 @@ def main(argv=None):
     optimizer = make_optimizer(raw_model, tc)
     step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
     gate_x = next(iter(val_loader))[0][: tc.gate_batch].to(device)  # (gate_batch, T), fixed
-    if tc.preflight == "on" or (tc.preflight == "auto" and device.startswith("cuda")):
+    if preflight_on(tc, device):
         preflight(raw_model, gate_x[:2], mc, run, typed)
     model = wrap(raw_model, gate_x, tc, run)
     eval_model = model.module if ddp else model
