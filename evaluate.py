@@ -385,7 +385,7 @@ def hellaswag_on_ranks(model, tokenizer, cache_dir, file="", device="cpu", autoc
 
 # ----------------------------------------------------------------------------- one checkpoint or run
 
-def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=16, batch_size=4,
+def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=8, batch_size=4,
                    device="cpu", autocast=nullcontext(), hellaswag_on=False, hellaswag_dir="data/hellaswag",
                    hellaswag_file="", hellaswag_len=0, hellaswag_max=0, rank=0, world=1, log=print):
     """Every evaluation of one model -> the eval.json record (complete on rank 0). Loss by

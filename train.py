@@ -108,7 +108,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (worth it on GPU)
     dry_run: bool = False  # print the plan and exit (needs neither a GPU nor data)
     # at the end of the run (evaluate.py): eval.json in out_dir
-    eval_seqs: int = 16  # val sequences per length for loss by position and bits per byte (0: off)
+    eval_seqs: int = 8  # val sequences per length for loss by position and bits per byte (0: off)
     hellaswag: str = "auto"  # auto | true | false: HellaSwag (auto: on CUDA, off on CPU)
     # indexer ([DS32]): the first steps attend densely while the lightning indexer learns
     indexer_warmup: int = 50  # steps of dense attention (the paper's dense warm-up); 0: sparse from step 1
