@@ -38,7 +38,8 @@ Download and checksum: the file is fetched once from rowanz/hellaswag on GitHub 
 --hellaswag_dir and checked: 10,042 lines, each with a context, 4 endings and a label in
 0..3. This code was written without internet, so the file's true SHA-256 could not be
 pinned here: the first download records its SHA-256 beside it (hellaswag_val.jsonl.sha256),
-and every later use verifies the file against that record (trust on first use).
+and every later use verifies the file against that record (trust on first use). The
+download has not run yet for the same reason: tests serve the fixture through a fake server.
 --hellaswag_file=PATH scores a local file of the same format instead (tests use a fixture).
 """
 import hashlib
@@ -262,14 +263,12 @@ def sha256_of(path):
     return h.hexdigest()
 
 
-def hellaswag_items(cache_dir, download=True):
+def hellaswag_items(cache_dir):
     """HellaSwag validation from cache_dir, downloaded there on first use (module docstring:
     the SHA-256 is recorded at the first download and verified at every later use)."""
     path = Path(cache_dir) / "hellaswag_val.jsonl"
     record = Path(f"{path}.sha256")
     if not path.exists():
-        if not download:
-            raise EvalError(f"{path} does not exist (rank 0 should have downloaded it)")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(f"{path}.tmp")
         try:
@@ -331,6 +330,10 @@ def hellaswag(model, items, tokenizer, device="cpu", autocast=nullcontext(), max
     Returns {"items", "acc", "acc_norm", "contexts_cut", "chance"}."""
     encode = encoder(tokenizer)
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
+    top = data.TOKENIZERS[tokenizer][0] - 1  # the largest id the tokenizer can write
+    if vocab is not None and top >= vocab:  # checked before any rank starts, so all stop alike
+        raise EvalError(f"the {tokenizer} tokenizer writes ids up to {top}, beyond the model's vocabulary of "
+                        f"{vocab}: the checkpoint cannot read the task's text")
     counts = torch.zeros(4, dtype=torch.float64)  # items, correct by sum, correct by mean, contexts cut
     mine = items[rank::world]
     for start in range(0, len(mine), batch_items):
@@ -341,9 +344,6 @@ def hellaswag(model, items, tokenizer, device="cpu", autocast=nullcontext(), max
             rows += r
             masks += m
             counts[3] += cut
-        if vocab is not None and max(max(r) for r in rows) >= vocab:
-            raise EvalError(f"the task's text has token ids up to {max(max(r) for r in rows)}, beyond the "
-                            f"model's vocabulary of {vocab}: the checkpoint's tokenizer cannot render it")
         summed, mean = ending_losses(model, rows, masks, device, autocast)
         summed, mean = summed.view(-1, 4), mean.view(-1, 4)  # (items, 4 endings)
         labels = torch.tensor([item["label"] for item in batch])
@@ -361,22 +361,20 @@ def hellaswag(model, items, tokenizer, device="cpu", autocast=nullcontext(), max
 
 def hellaswag_on_ranks(model, tokenizer, cache_dir, file="", device="cpu", autocast=nullcontext(),
                        max_len=1024, batch_items=8, max_items=0, rank=0, world=1):
-    """hellaswag() on the cached (or --hellaswag_file) items: rank 0 downloads, then every
-    rank reads the file. Raises EvalError on every rank when it cannot run."""
-    problem = None
+    """hellaswag() on the cached (or --hellaswag_file) items: rank 0 reads them (downloading
+    them on first use) and sends them, or why it could not, to every rank (nodes need not
+    share a filesystem). Raises EvalError on every rank when it cannot run."""
+    items, problem = None, None
     if rank == 0:
         try:
             encoder(tokenizer)
             items = read_items(file) if file else hellaswag_items(cache_dir)
         except (EvalError, OSError) as e:
             problem = str(e)
-    if world > 1:  # rank 0 tells the others whether the items are there
-        ok = torch.tensor([float(problem is None)], device=device)
-        dist.broadcast(ok, 0)
-        if not ok.item():
-            raise EvalError(problem or "HellaSwag could not be read on rank 0 (its message says why)")
-        if rank != 0:
-            items = read_items(file) if file else hellaswag_items(cache_dir, download=False)
+    if world > 1:
+        payload = [items, problem]
+        dist.broadcast_object_list(payload, src=0)
+        items, problem = payload
     if problem:
         raise EvalError(problem)
     items = items[:max_items] if max_items else items
