@@ -18,6 +18,9 @@ validation loss is <= the target loss (the seeds' "convergence speed"). The targ
 match the baseline), else the highest final validation loss among the runs (so every run
 reaches it).
 
+Loss by position (positions.png) is drawn from each run's eval.json (evaluate.py, which
+train.py runs at the end of a run); runs without one are left out of that figure.
+
 Gates by token category and attention maps need the checkpoint and some text: --text (a
 .txt or .jsonl file), else the run's validation shard (train_config's data_dir); without
 either these figures are skipped with a note in summary.md.
@@ -257,6 +260,41 @@ def plot_losses(runs, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_loss_by_position(runs, path):
+    """Loss by position (evaluate.py's eval.json in each run folder): one line per run and
+    length (solid at the trained length, dashed 2x, dotted 4x), 95% intervals as bands, on
+    log-scaled positions. Returns the runs drawn (none: no figure)."""
+    drawn = []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, run in enumerate(runs):
+        try:
+            lengths = json.loads((run["path"] / "eval.json").read_text()).get("positions") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        for r in lengths:
+            if "buckets" not in r:  # a length the val data could not fill
+                continue
+            b = r["buckets"]
+            x = [math.sqrt(k["first"] * k["last"]) for k in b]  # the bucket's geometric middle
+            y, ci = np.array([k["mean"] for k in b]), np.array([k["ci95"] for k in b])
+            style = {1: "-", 2: "--"}.get(r.get("factor"), ":")
+            label = f"{_title(run)}, {r['seq_len']} tokens" + (f" ({r['factor']}x)" if r.get("factor", 1) > 1 else "")
+            ax.plot(x, y, style, color=f"C{i % 10}", marker="o", ms=3, label=label)
+            ax.fill_between(x, y - ci, y + ci, color=f"C{i % 10}", alpha=0.12)
+        drawn += [run["name"]] if any("buckets" in r for r in lengths) else []
+    if drawn:
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="position (tokens of context; buckets 1, 2-3, 4-7, ...)", ylabel="val loss (nats/token)",
+               title="loss by position (eval.json; band: 95% interval over sequences)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
 
 
 def gate_history(run):
@@ -575,6 +613,8 @@ def analyze(runs, args):
 
     plot_losses(runs, out / "loss.png")
     figures.append(("loss.png", "train and validation loss"))
+    if plot_loss_by_position(runs, out / "positions.png"):
+        figures.append(("positions.png", "validation loss by position (evaluate.py's eval.json)"))
     for run in runs:
         history = gate_history(run)
         if history:

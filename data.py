@@ -116,6 +116,16 @@ def check_vocab(data_dir, vocab_size):
                          f"folder sets it")
 
 
+def unigram_log_probs(data_dir):
+    """(V,) float64 log p(v) of the train shards' add-one smoothed unigram distribution over
+    the tokenizer's V ids (unigram_loss says why add-one); evaluate.py scores it per token."""
+    vocab = tokenizer_of(data_dir)[1]
+    counts = np.zeros(vocab, dtype=np.float64)
+    for path in find_shards(data_dir, "train"):
+        counts += np.bincount(load_shard(path), minlength=vocab)[:vocab]
+    return np.log(counts + 1) - np.log(counts.sum() + vocab)
+
+
 def unigram_loss(data_dir, val_tokens=None):
     """The loss to beat: mean cross-entropy (nats per token) on the val shards of the
     train shards' unigram distribution, i.e. of a model that ignores every token of context.
@@ -125,10 +135,7 @@ def unigram_loss(data_dir, val_tokens=None):
     val_tokens: only the first val_tokens val tokens (train.py evaluates on such a prefix);
     None: all of them."""
     vocab = tokenizer_of(data_dir)[1]
-    counts = np.zeros(vocab, dtype=np.float64)
-    for path in find_shards(data_dir, "train"):
-        counts += np.bincount(load_shard(path), minlength=vocab)[:vocab]
-    log_p = np.log(counts + 1) - np.log(counts.sum() + vocab)  # (V,)
+    log_p = unigram_log_probs(data_dir)  # (V,)
     val = np.concatenate([np.asarray(load_shard(p)) for p in find_shards(data_dir, "val")])
     val = val[:val_tokens] if val_tokens else val
     if val.size and int(val.max()) >= vocab:

@@ -11,8 +11,9 @@ field) overrides them. The global batch is fixed in tokens: any number of proces
 gradient accumulation makes up the rest. Rank 0 prints the plan before the first step.
 
 The run folder (`out_dir`) holds config.json, log.jsonl (one JSON record per step, with gate
-statistics at each evaluation, read by analyze.py) and ckpt.pt (loaded weights-only, see
-model.read_checkpoint). Continuing a run: `--resume=True` continues the run in out_dir,
+statistics at each evaluation, read by analyze.py), ckpt.pt (loaded weights-only, see
+model.read_checkpoint) and eval.json (evaluate.py at the end: loss by position, bits per
+byte, and on CUDA HellaSwag). Continuing a run: `--resume=True` continues the run in out_dir,
 `--resume=auto` continues it when there is a checkpoint and starts one when there is none;
 a torchrun restart (`--max-restarts=N`) always resumes as `auto`. SIGTERM / Ctrl-C finish
 the current step, write a checkpoint of it and exit with 128 + the signal number (143 / 130),
@@ -71,6 +72,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import flops
+from evaluate import evaluate_model  # the end-of-run evaluations (train.py's own evaluate() is the val loss)
 from attention import VARIANTS, attention_path
 from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint, set_kernel
 
@@ -107,6 +109,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (worth it on GPU)
     dry_run: bool = False  # print the plan and exit (needs neither a GPU nor data)
     preflight: str = "auto"  # auto (on CUDA) | on | off: check the attention path against the reference first
+    # at the end of the run (evaluate.py): eval.json in out_dir
+    eval_seqs: int = 8  # val sequences per length for loss by position and bits per byte (0: off)
+    hellaswag: str = "auto"  # auto | true | false: HellaSwag (auto: on CUDA, off on CPU)
     # indexer ([DS32]): the first steps attend densely while the lightning indexer learns
     indexer_warmup: int = 50  # steps of dense attention (the paper's dense warm-up); 0: sparse from step 1
     indexer_lr: float = 1e-3  # the indexer's peak lr (the paper's warm-up lr), same schedule shape
@@ -257,7 +262,8 @@ def parse_args(argv):
     The preset is --preset, else the device's (DEVICE_PRESETS); its values replace the
     TrainConfig defaults, and typed keys replace those."""
     given, _ = parse_flags(argv, {"training keys": TRAIN_DEFAULTS, "model keys": MODEL_DEFAULTS},
-                           "train.py", choices={"resume": ("false", "true", "auto"), "preflight": ("auto", "on", "off")},
+                           "train.py", choices={"resume": ("false", "true", "auto"), "preflight": ("auto", "on", "off"),
+                                                "hellaswag": ("auto", "true", "false")},
                            doc=__doc__ + f"\npresets: {', '.join(TRAIN_PRESETS)}; model sizes: "
                            f"{', '.join(PRESETS)}; --attn: {', '.join(VARIANTS)}")
     device = given.get("device", "auto")
@@ -280,6 +286,8 @@ def parse_args(argv):
     model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
     mc = model_config(tc, model_keys)
     check_budget(mc, tc.seq_len)
+    if tc.eval_seqs < 0:
+        fail(f"--eval_seqs={tc.eval_seqs}: must be >= 0 (0 turns loss by position off)")
     if mc.attn == "indexer" and not 0 <= tc.indexer_warmup <= tc.max_steps:
         fail(f"--indexer_warmup={tc.indexer_warmup}: must be in 0 .. max_steps={tc.max_steps} (steps of dense "
              f"attention before the indexer's selection takes over)")
@@ -814,6 +822,29 @@ def evaluate(model, raw_model, val_loader, gate_x, run):
     return total.item(), gates
 
 
+def final_eval(raw_model, tc, run, step, runlog, log):
+    """evaluate.py's evaluations of the final weights (every rank calls it): eval.json in the
+    run folder and an `eval` record in log.jsonl. Nothing here fails the run (the checkpoint
+    is already written): what cannot run is recorded with its reason."""
+    hellaswag_on = tc.hellaswag == "true" or (tc.hellaswag == "auto" and run["device"].startswith("cuda"))
+    if tc.eval_seqs == 0 and not hellaswag_on:
+        return
+    record = evaluate_model(
+        raw_model, data_dir=tc.data_dir, tokenizer=data.tokenizer_of(tc.data_dir)[0], trained_len=tc.seq_len,
+        step=step, n_seq=tc.eval_seqs, batch_size=tc.batch_size, device=run["device"], autocast=run["autocast"],
+        hellaswag_on=hellaswag_on, rank=run["rank"], world=run["world"], log=log)
+    if run["master"]:
+        path = os.path.join(tc.out_dir, "eval.json")
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+        summary = {"event": "eval", "step": step, "nats_per_token": record.get("nats_per_token"),
+                   "bits_per_byte": record.get("bits_per_byte"), "unigram": record.get("unigram")}
+        if "hellaswag" in record:
+            summary["hellaswag"] = {k: v for k, v in record["hellaswag"].items() if k in ("acc", "acc_norm", "items", "skipped")}
+        runlog.write(summary)
+        log(f"wrote {path}: loss by position, bits per byte" + (", HellaSwag" if hellaswag_on else ""))
+
+
 # ----------------------------------------------------------------------------- the run's parts
 
 def open_data(tc, mc, run):
@@ -1013,6 +1044,9 @@ def main(argv=None):
             sys.exit(128 + (stop.signum or signal.SIGTERM))
         if step % tc.ckpt_every == 0 or step == last_step:
             checkpoint()
+
+    # -- end: evaluate.py's evaluations (loss by position, bits per byte, HellaSwag on GPUs)
+    final_eval(raw_model, tc, run, step, runlog, log)
 
     # -- end: every rank must hold the same weights; check it rather than trust it
     hashes = [param_hash(raw_model)]

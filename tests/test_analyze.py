@@ -66,7 +66,7 @@ def test_real_runs_give_figures_and_the_logs_numbers(trained, capsys):
     assert f"to {out}/" in printed
 
     summary = json.loads((out / "summary.json").read_text())
-    expected = {"loss.png", "attention.png", "gates_dsa.png", "gates_caa.png", "dynamics_caa.png",
+    expected = {"loss.png", "positions.png", "attention.png", "gates_dsa.png", "gates_caa.png", "dynamics_caa.png",
                 "categories_dsa.png", "categories_caa.png"}
     assert expected <= set(summary["figures"]), summary["notes"]
     assert "gates_full.png" not in summary["figures"]  # full has no gates

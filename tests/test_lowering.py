@@ -2,32 +2,46 @@
 runs without a GPU (issue: the headline `train.py --attn=asga` stopped at its first backward
 pass on a GPU, and no CPU test could tell).
 
-For every variant and flag whose FLEX path calls FlexAttention, each call's score_mod and
-mask_mod are traced as torch.compile traces them on a GPU: dynamo lifts the tensors the
-score_mod captures into graph inputs, and AOTAutograd builds the backward graph, whose
-`flex_attention_backward` holds the score_mod's joint graph (made by torch's own
-`create_fw_bw_graph`). On that joint graph, as inductor's `flex_attention_backward` lowering
-does before it generates a kernel (torch 2.13, torch/_inductor/kernel/flex/flex_attention.py):
-dead-code elimination, then `validate_joint_graph`, which raises NotImplementedError where a
-captured tensor that needs a gradient is indexed more than once. Then, beyond what inductor
-checks, the gradient of every captured tensor (`flex_lib.zeros_and_scatter`, an atomic add
-per score on a GPU) must be indexed by batch, head and query or key: no element takes more
-adds than one query has keys (kernels.per_row).
+For every variant and flag whose FLEX path calls FlexAttention, each call is traced as
+torch.compile traces it on a GPU: dynamo lifts the tensors the score_mod and mask_mod capture
+into graph inputs, AOTAutograd (with inductor's decompositions and partitioner) builds the
+backward graph, whose `flex_attention_backward` holds the score_mod's forward graph, its joint
+graph (made by torch's own `create_fw_bw_graph`) and the mask_mod's graph. That backward graph
+then goes to inductor's own compile_fx_inner, whose `flex_attention_backward` lowering (torch
+2.13, torch/_inductor/kernel/flex/flex_attention.py) is the same on CPU and CUDA up to the
+choice of a kernel: it lowers the score_mod's forward graph, eliminates dead code in the joint
+graph, runs `validate_joint_graph` (NotImplementedError where a captured tensor that needs a
+gradient is indexed more than once: asga's first backward on a GPU), lowers the joint graph
+and the mask graph, and only then asks which template to use. The test stops it there (the
+first question, `_use_flex_flash_attention_backward`) and fails on any error before it. The
+forward's own lowering builds the same score_mod and mask_mod graphs with the same
+`build_subgraph_buffer` (on CPU it takes the C++ template instead, so it is not run here).
+
+Then, beyond what inductor checks, the gradient of every captured tensor
+(`flex_lib.zeros_and_scatter`, an atomic add per score on a GPU) must be indexed by batch,
+head and query or key: no element takes more adds than one query has keys (kernels.per_row).
 
 What this cannot reach on a CPU: Triton's code generation, shared memory and registers.
 The README's GPU check command runs those on a GPU node; the whole CUDA compile, run on a
 CPU with torch's CUDA build and no GPU, is recorded in benchmarks/gpu_compile/.
 
-q, k, v enter without gradients (FlexAttention refuses a CPU backward for them); the
-parameters the score_mods capture keep theirs, which is what the joint graph differentiates.
+FlexAttention refuses a CPU backward for q, k, v (`_validate_device`): the guard is lifted
+while tracing, as on a GPU q, k, v need gradients; the backward graph is lowered, never run.
 """
-import dataclasses
+import contextlib
+import functools
 import warnings
+from unittest import mock
 
 import pytest
 import torch
+import torch._inductor.kernel.flex.flex_attention as flex_lowering
+import torch.nn.attention.flex_attention as nn_flex
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._guards import detect_fake_mode
+from torch._inductor.compile_fx import compile_fx_inner, partition_fn
+from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -41,7 +55,7 @@ SMALL = dict(n_head=2, n_kv_head=1, head_dim=16, d_model=32, window=8, caa_windo
              dsa_threshold=10, asga_hidden=3, caa_hidden=4)
 T = 24
 # Every configuration whose FLEX path calls FlexAttention ("full" and dsa without a window
-# take SDPA; combiner's call captures nothing and is covered by its mask).
+# take SDPA).
 CONFIGS = [
     ("local", {}),
     ("dsa", dict(dsa_window="adaptive")),
@@ -52,48 +66,102 @@ CONFIGS = [
       for g in ("logit", "prob") for s in (True, False)],
     *[("caa", dict(caa_topk=k)) for k in ("sqrt", "all")],
     ("combiner", {}),
+    ("nsa", dict(nsa_block=8, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_window=8, nsa_topk=3)),
+    ("moba", dict(moba_block=8, moba_topk=2)),
+    ("indexer", dict(index_topk=4)),
 ]
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
+CAPTURING = [c for c in CONFIGS if c[0] in ("asga", "caa")]  # score_mods that capture parameters
 
 
-def joint_graphs(attn, flags):
-    """The joint graphs of every FlexAttention call in one forward of the variant (FLEX path),
-    as AOTAutograd hands them to inductor."""
+class Reached(Exception):
+    """Raised where inductor's flex backward lowering picks a kernel: everything before passed."""
+
+
+def _stop_at_kernel_choice(*args, **kwargs):
+    raise Reached
+
+
+def lower_backward(gm, example_inputs):
+    """inductor's compile of a backward graph, up to the choice of FlexAttention's backward
+    kernel: None when it got there, else the exception that stopped it."""
+    with mock.patch.object(flex_lowering, "_use_flex_flash_attention_backward", _stop_at_kernel_choice):
+        try:
+            with detect_fake_mode(example_inputs) or contextlib.nullcontext():
+                compile_fx_inner(gm, example_inputs, is_backward=True)
+        except Exception as e:
+            chain = [e]
+            while chain[-1].__cause__ or chain[-1].__context__:
+                chain.append(chain[-1].__cause__ or chain[-1].__context__)
+            if any(isinstance(x, Reached) for x in chain):
+                return None
+            return chain[-1]
+    return RuntimeError("inductor compiled a FlexAttention backward without choosing its kernel")
+
+
+class _Stop(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def flex_calls(attn, flags_items):
+    """One forward of the variant (FLEX path) with every FlexAttention call traced as on a GPU:
+    [(its joint graphs as AOTAutograd hands them to inductor, the lowering's outcome)]."""
+    flags = dict(flags_items)
     cfg = ModelConfig(**dict(PRESETS["tiny"], attn=attn, kernel="flex", **dict(SMALL, **flags)))
     torch.manual_seed(0)
     module = VARIANTS[attn](cfg)
     for p in module.parameters():
         p.data.normal_(0, 0.3)
-    found = []
+    calls = []
 
     def capture_backward(gm, example_inputs):
-        found.extend(m for name, m in gm.named_children() if name.startswith("joint_graph"))
-        return make_boxed_func(gm)
+        joints = [m for name, m in gm.named_children() if name.startswith("joint_graph")]
+        # inspected as handed over, before the lowering edits them (dead-code elimination)
+        scatters = [scatter_indices(j.graph) for j in joints]
+        errors = []
+        for j in joints:
+            g = torch.fx.Graph()
+            g.graph_copy(j.graph, {})
+            g.eliminate_dead_code()
+            try:
+                validate_joint_graph(g)
+            except NotImplementedError as e:
+                errors.append(e)
+        calls.append(dict(scatters=scatters, validate=errors, lowering=lower_backward(gm, example_inputs)))
+        raise _Stop
+
+    backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm), bw_compiler=capture_backward,
+                           partition_fn=partition_fn, decompositions=select_decomp_table())
 
     def traced_flex(q, k, v, score_mod, block_mask, scale):
         def call(q, k, v):
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                   enable_gqa=q.shape[1] != k.shape[1])
-        backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm), bw_compiler=capture_backward)
         torch._dynamo.reset()
-        out = torch.compile(call, backend=backend, fullgraph=True)(q.detach(), k.detach(), v.detach())
-        if out.requires_grad:
-            out.sum().backward(retain_graph=True)  # builds (and hands over) the backward graph
-        return out
+        qc, kc, vc = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = torch.compile(call, backend=backend, fullgraph=True)(qc, kc, vc)
+        try:
+            out.sum().backward()  # hands the backward graph to capture_backward, which stops it
+        except _Stop:
+            pass
+        except Exception as e:
+            if not any(isinstance(x, _Stop) for x in (e, e.__cause__, e.__context__)):
+                raise
+        return out.detach()
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, cfg.n_head, T, cfg.head_dim, generator=g)
     k = torch.randn(1, cfg.n_kv_head, T, cfg.head_dim, generator=g)
     v = torch.randn(1, cfg.n_kv_head, T, cfg.head_dim, generator=g)
     x = torch.randn(1, T, cfg.d_model, generator=g)
-    original = kernels._run_flex
-    kernels._run_flex = traced_flex
-    try:
-        module.attend(q, k, v, x, 0, 0)
-    finally:
-        kernels._run_flex = original
-        torch._dynamo.reset()
-    return found
+    with mock.patch.object(kernels, "_run_flex", traced_flex), \
+            mock.patch.object(nn_flex, "_validate_device", lambda *a: None):
+        try:
+            module.attend(q, k, v, x, 0, 0)
+        finally:
+            torch._dynamo.reset()
+    return calls
 
 
 def scatter_indices(graph):
@@ -110,22 +178,27 @@ def scatter_indices(graph):
 
 @pytest.mark.parametrize("attn,flags", CONFIGS, ids=IDS)
 def test_flex_backward_lowering_accepts_every_score_mod(attn, flags):
-    graphs = joint_graphs(attn, flags)
-    if attn in ("asga", "caa"):  # score_mods that capture parameters: a backward graph exists
-        assert graphs, f"{attn} {flags}: no FlexAttention backward graph was traced"
-    for gm in graphs:
-        gm.graph.eliminate_dead_code()
-        validate_joint_graph(gm.graph)  # raises where CUDA's lowering would
+    """inductor's flex backward lowering gets to its choice of kernel for every call: the
+    score_mod's forward and joint graphs and the mask_mod's graph lowered, the joint graph
+    validated (what CUDA's first backward of asga raised)."""
+    calls = flex_calls(attn, tuple(flags.items()))
+    assert calls, f"{attn} {flags}: no FlexAttention call was traced (this test covers only variants that make one)"
+    for n, call in enumerate(calls):
+        for e in call["validate"]:
+            raise AssertionError(f"{attn} {flags}, call {n}: validate_joint_graph: {e}")
+        if call["lowering"] is not None:
+            e = call["lowering"]
+            raise AssertionError(f"{attn} {flags}, call {n}: inductor's flex backward lowering failed: "
+                                 f"{type(e).__name__}: {str(e).strip()[:500]}")
 
 
-@pytest.mark.parametrize("attn,flags", [c for c in CONFIGS if c[0] in ("asga", "caa")],
-                         ids=[i for i, c in zip(IDS, CONFIGS) if c[0] in ("asga", "caa")])
+@pytest.mark.parametrize("attn,flags", CAPTURING, ids=[i for i, c in zip(IDS, CONFIGS) if c in CAPTURING])
 def test_captured_gradients_are_per_row(attn, flags):
     """No captured tensor's gradient is a sum over every score of a head (or of all heads):
     each is read by batch, head, and query or key, so one element takes at most one query's
     keys' (or one key's queries') atomic adds on a GPU."""
-    graphs = joint_graphs(attn, flags)
-    scatters = [idx for gm in graphs for idx in scatter_indices(gm.graph)]
+    calls = flex_calls(attn, tuple(flags.items()))
+    scatters = [idx for call in calls for joint in call["scatters"] for idx in joint]
     assert scatters, f"{attn} {flags}: no captured tensor takes a gradient"
     for idx in scatters:
         assert {"b", "h"} <= idx and idx & {"i", "j"}, f"{attn} {flags}: a captured gradient indexed by {sorted(idx)}"

@@ -5,6 +5,7 @@ with OMP_NUM_THREADS=1: these 2-core machines are shared, and oversubscribed Ope
 threads make the small ops of a tiny model several times slower (torchrun sets 1 as well).
 """
 import json
+import math
 import os
 import signal
 import subprocess
@@ -75,6 +76,22 @@ def single_run(shards, tmp_path_factory):
     r = train(*TINY, f"--data_dir={shards}", f"--out_dir={out}", f"--max_steps={STEPS}", "--eval_every=3")
     assert "x 1 process(es) x 2 accumulation" in r.stdout
     return out, r
+
+
+def test_the_run_ends_with_loss_by_position_and_bits_per_byte(single_run):
+    """evaluate.py at the end of the run: eval.json at 1x, 2x, 4x the trained length, an
+    `eval` record in the log; HellaSwag is off on CPU by default."""
+    out, r = single_run
+    record = json.loads((out / "eval.json").read_text())
+    assert [p["seq_len"] for p in record["positions"]] == [32, 64, 128]
+    assert all(p["n_seq"] >= 2 and p["buckets"][-1]["last"] == p["seq_len"] for p in record["positions"])
+    assert record["step"] == STEPS and record["tokenizer"] == "gpt2" and "hellaswag" not in record
+    # GPT-2 BPE holds more than 2 bytes per token of English: fewer bits per byte than nats/token / ln 2 / 2
+    assert 0 < record["bits_per_byte"] < record["nats_per_token"] / math.log(2) / 2
+    assert record["unigram"]["nats_per_token"] > 0 and record["unigram"]["bits_per_byte"] > 0
+    events = [x for x in read_log(out) if x.get("event") == "eval"]
+    assert len(events) == 1 and events[0]["bits_per_byte"] == record["bits_per_byte"]
+    assert "length 32 (1x" in r.stdout and "eval.json" in r.stdout
 
 
 def test_ddp_two_ranks_equal_one_process_with_accumulation(shards, single_run, tmp_path):

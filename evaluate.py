@@ -1,0 +1,474 @@
+"""Evaluations of a train.py checkpoint: loss by position, bits per byte, HellaSwag.
+
+    python evaluate.py --ckpt=out/run                         # loss by position + bits per byte -> out/run/eval.json
+    python evaluate.py --ckpt=out/run --hellaswag=True        # plus HellaSwag (downloaded once, 10,042 items)
+    torchrun --nproc_per_node=8 evaluate.py --ckpt=out/run --hellaswag=True   # HellaSwag split over the ranks
+
+train.py runs the same at the end of every run (`--eval_seqs`, `--hellaswag`) and writes
+eval.json into the run folder; `analyze.py` draws loss by position from it.
+
+Loss by position. The val stream is cut into sequences of L tokens (+1 target); the target
+at index t is predicted from t + 1 tokens of context, its *position*. Positions are grouped
+in powers of two (1, 2-3, 4-7, ..., the last bucket ending at L: 128-256 for L = 256); for each bucket, the mean
+over sequences of each sequence's mean loss in that bucket, with a 95% Student-t interval
+over the sequences. L is the trained length and 2x and 4x it: RoPE is defined at every
+position, so this measures length generalisation (windowed and sparse variants see the same
+number of keys at any length; full attention sees more than it was trained on). A length
+the val data cannot fill with 2 sequences is skipped, and the JSON says why.
+
+Bits per byte (nanochat's bpb): the summed token losses (nats) over the UTF-8 bytes of the
+target text, / ln 2. The byte tokenizer: one byte per token. GPT-2 BPE: the byte length of
+each target token's decoding (a token may hold part of a multi-byte character; the parts
+sum to the text's bytes). The document separator (GPT-2's <|endoftext|>, the byte
+tokenizer's NUL) is no text: it counts in neither sum, as in nanochat. The unigram baseline
+(data.unigram_log_probs, a model without context) is scored on the same targets, in both
+units. Tokens without text (the recall probe's ids) get nats per token only.
+
+HellaSwag (Zellers et al., 2019; validation, 10,042 items of a context and 4 endings):
+each ending is scored by the model's loss on its tokens given the context ("ctx" + " " +
+ending, as build-nanogpt renders it): acc picks the ending of least summed loss, acc_norm
+the least mean loss per token (build-nanogpt's definitions; with the byte tokenizer the
+mean per token is the mean per byte, lm-evaluation-harness's acc_norm). Chance is 0.25;
+GPT-2 124M scores about 0.29 acc_norm. A context too long for --hellaswag_len (default:
+the trained length) loses its first tokens, never an ending's (eval.json counts the cut
+items). Items are split across DDP ranks (item i on rank i mod world) and the counts
+all-reduced.
+
+Download and checksum: the file is fetched once from rowanz/hellaswag on GitHub into
+--hellaswag_dir and checked: 10,042 lines, each with a context, 4 endings and a label in
+0..3. This code was written without internet, so the file's true SHA-256 could not be
+pinned here: the first download records its SHA-256 beside it (hellaswag_val.jsonl.sha256),
+and every later use verifies the file against that record (trust on first use). The
+download has not run yet for the same reason: tests serve the fixture through a fake server.
+--hellaswag_file=PATH scores a local file of the same format instead (tests use a fixture).
+"""
+import hashlib
+import json
+import math
+import os
+import sys
+import urllib.request
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import data
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+HELLASWAG_ITEMS = 10042
+FACTORS = (1, 2, 4)  # lengths evaluated, as multiples of the trained length
+
+
+class EvalError(Exception):
+    """An evaluation that cannot run; the message names the cause and the fix."""
+
+
+# ----------------------------------------------------------------------------- statistics
+
+# Student t's 0.975 quantile for df = 1 .. 30; beyond, 1.96 + 2.5 / df (within 0.002 of it).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci95(values):
+    """(mean, half-width of the 95% interval of the mean) of values (n,), n >= 2."""
+    values = np.asarray(values, dtype=np.float64)
+    n = len(values)
+    df = n - 1
+    t = T975[df - 1] if df <= 30 else 1.96 + 2.5 / df
+    return float(values.mean()), float(t * values.std(ddof=1) / math.sqrt(n))
+
+
+def position_buckets(T):
+    """[(first, last)] 1-based positions, both included: 1, 2-3, 4-7, ..., the last ending at T.
+    Position T alone (T >= 4 a power of two) joins the bucket before it: T/2 .. T."""
+    buckets, first = [], 1
+    while first <= T:
+        buckets.append((first, min(2 * first - 1, T)))
+        first *= 2
+    if len(buckets) > 2 and buckets[-1][0] == T:  # position 1 always stands alone
+        buckets[-2:] = [(buckets[-2][0], T)]
+    return buckets
+
+
+# ----------------------------------------------------------------------------- tokens and bytes
+
+def token_bytes(tokenizer, vocab_size):
+    """(vocab_size,) int64: the UTF-8 bytes of each token id's text, 0 for the document
+    separator and for ids the tokenizer does not use (the vocabulary's padding); None for
+    tokens without text (the recall probe's)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    if tokenizer == "byte":
+        counts[:256] = 1
+        counts[data.BYTE_EOT] = 0
+    elif tokenizer == "gpt2":
+        import tiktoken
+
+        enc = tiktoken.get_encoding("gpt2")
+        n = min(vocab_size, enc.n_vocab)
+        counts[:n] = [len(enc.decode_single_token_bytes(i)) for i in range(n)]
+        if data.EOT < vocab_size:
+            counts[data.EOT] = 0
+    else:
+        return None
+    return counts
+
+
+def encoder(tokenizer):
+    """text -> token ids, for the tokenizers that have text."""
+    if tokenizer == "byte":
+        return lambda text: data.encode_bytes(text).tolist()
+    if tokenizer == "gpt2":
+        import tiktoken
+
+        return tiktoken.get_encoding("gpt2").encode_ordinary
+    raise EvalError(f"the checkpoint was trained on {tokenizer!r} tokens, which have no text to render the "
+                    f"task in; HellaSwag needs a checkpoint trained on gpt2 or byte shards")
+
+
+def read_val(data_dir, n_tokens):
+    """The first n_tokens tokens of data_dir's val shards (fewer if they hold fewer), int64."""
+    parts, have = [], 0
+    for path in data.find_shards(data_dir, "val"):
+        part = np.asarray(data.load_shard(path)[: n_tokens - have])
+        parts.append(part)
+        have += len(part)
+        if have >= n_tokens:
+            break
+    return np.concatenate(parts).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- loss by position
+
+@torch.no_grad()
+def token_losses(model, x, y, autocast=nullcontext()):
+    """x, y (B, T) -> the cross-entropy (nats) of each target, (B, T) float32."""
+    with autocast:
+        logits = model(x)[0]  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+
+
+def loss_by_position(model, tokens, seq_len, n_seq, batch_size=4, device="cpu", autocast=nullcontext(),
+                     bytes_per_token=None, unigram_log_p=None):
+    """Loss by position of `model` on sequences of seq_len from the token stream `tokens` (N,):
+    n_seq of them (fewer if the stream holds fewer), sequence i = tokens[i*L : i*L + L + 1].
+
+    Returns {"seq_len", "n_seq", "tokens", "nats_per_token" (+ "_ci95" over sequences),
+    "buckets": [{"first", "last", "mean", "ci95"}], and with bytes_per_token (token_bytes)
+    "bits_per_byte", with unigram_log_p (V,) the unigram baseline on the same targets},
+    or {"seq_len", "skipped": why} when the stream cannot fill 2 sequences."""
+    L = seq_len
+    n = min(n_seq, (len(tokens) - 1) // L)
+    if n < 2:
+        return {"seq_len": L, "skipped": f"the val data holds {len(tokens)} tokens, fewer than 2 sequences "
+                                          f"of {L} + 1 (a 95% interval needs 2); add val data or lower the length"}
+    rows = np.stack([tokens[i * L: i * L + L + 1] for i in range(n)])  # (n, L + 1)
+    rows = torch.from_numpy(rows)
+    losses = torch.cat([token_losses(model, rows[b: b + batch_size, :-1].to(device),
+                                     rows[b: b + batch_size, 1:].to(device), autocast).cpu()
+                        for b in range(0, n, batch_size)]).double().numpy()  # (n, L)
+    targets = rows[:, 1:].numpy()  # (n, L)
+    mean, ci = mean_ci95(losses.mean(axis=1))
+    out = {"seq_len": L, "n_seq": n, "tokens": n * L, "nats_per_token": mean, "nats_per_token_ci95": ci,
+           "buckets": []}
+    for first, last in position_buckets(L):  # position p is index p - 1
+        m, c = mean_ci95(losses[:, first - 1: last].mean(axis=1))
+        out["buckets"].append({"first": first, "last": last, "mean": m, "ci95": c})
+    if bytes_per_token is not None:
+        nbytes = bytes_per_token[targets]  # (n, L)
+        text = nbytes > 0
+        total = int(nbytes.sum())
+        out["bytes"] = total
+        out["bits_per_byte"] = float(losses[text].sum() / total / math.log(2)) if total else None
+    if unigram_log_p is not None:
+        uni = -unigram_log_p[targets]  # (n, L) nats
+        out["unigram_nats_per_token"] = float(uni.mean())
+        if bytes_per_token is not None and out["bytes"]:
+            out["unigram_bits_per_byte"] = float(uni[text].sum() / out["bytes"] / math.log(2))
+    return out
+
+
+def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=4, device="cpu",
+                     autocast=nullcontext(), factors=FACTORS, log=print):
+    """loss_by_position at each factor x trained_len on data_dir's val shards -> a list of
+    its results (skipped lengths included, with why), after printing one line per length."""
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
+    bytes_per_token = token_bytes(tokenizer, vocab) if vocab else None
+    try:
+        unigram_log_p = data.unigram_log_probs(data_dir)
+    except data.ShardError as e:
+        unigram_log_p = None
+        log(f"note: no unigram baseline: {e}")
+    tokens = read_val(data_dir, n_seq * trained_len * max(factors) + 1)
+    results = []
+    for factor in factors:
+        L = trained_len * factor
+        rows = max(1, batch_size // factor)  # batch_size counts sequences of the trained length
+        try:
+            r = loss_by_position(model, tokens, L, n_seq, rows, device, autocast, bytes_per_token,
+                                 unigram_log_p)
+        except torch.OutOfMemoryError:
+            r = {"seq_len": L, "skipped": f"out of memory at {rows} x {L} tokens a forward pass; lower --batch_size"}
+        r["factor"] = factor
+        results.append(r)
+        if "skipped" in r:
+            log(f"length {L} ({factor}x): skipped: {r['skipped']}")
+            continue
+        bpb = f", {r['bits_per_byte']:.4f} bits/byte" if r.get("bits_per_byte") is not None else ""
+        uni = (f" (unigram {r['unigram_nats_per_token']:.4f}" + (f", {r['unigram_bits_per_byte']:.4f}"
+               if r.get("unigram_bits_per_byte") is not None else "") + ")") if "unigram_nats_per_token" in r else ""
+        log(f"length {L} ({factor}x, {r['n_seq']} seqs): {r['nats_per_token']:.4f} nats/token{bpb}{uni}")
+        log("  by position: " + " | ".join(f"{b['first']}{'' if b['first'] == b['last'] else '-' + str(b['last'])} "
+                                          f"{b['mean']:.3f}±{b['ci95']:.3f}" for b in r["buckets"]))
+    return results
+
+
+# ----------------------------------------------------------------------------- HellaSwag
+
+def read_items(path, expected=None):
+    """A HellaSwag jsonl file -> [{"ctx": str, "endings": [4 str], "label": int}], checked.
+    expected: the number of items the file must hold (None: any)."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ctx, endings, label = row["ctx"], row["endings"], int(row["label"])
+                ok = (isinstance(ctx, str) and isinstance(endings, list) and len(endings) == 4
+                      and all(isinstance(e, str) for e in endings) and 0 <= label < 4)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise EvalError(f"{path}:{n}: not a HellaSwag item (needs \"ctx\": str, \"endings\": 4 str, "
+                                f"\"label\": 0..3); delete the file to download it again, or fix --hellaswag_file")
+            items.append({"ctx": ctx, "endings": endings, "label": label})
+    if expected is not None and len(items) != expected:
+        raise EvalError(f"{path}: {len(items)} items, expected {expected} (HellaSwag validation); a cut-short "
+                        f"download? delete it to download it again")
+    return items
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hellaswag_items(cache_dir):
+    """HellaSwag validation from cache_dir, downloaded there on first use (module docstring:
+    the SHA-256 is recorded at the first download and verified at every later use)."""
+    path = Path(cache_dir) / "hellaswag_val.jsonl"
+    record = Path(f"{path}.sha256")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{path}.tmp")
+        try:
+            with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as r, open(tmp, "wb") as f:
+                while block := r.read(1 << 20):
+                    f.write(block)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise EvalError(f"cannot download HellaSwag from {HELLASWAG_URL} ({e}); on a machine without "
+                            f"internet, copy hellaswag_val.jsonl into {path.parent} (or pass --hellaswag_file)") from None
+        read_items(tmp, HELLASWAG_ITEMS)  # a cut or wrong file is refused before it is kept
+        record.write_text(sha256_of(tmp) + "\n")
+        os.replace(tmp, path)
+    digest = sha256_of(path)
+    if not record.exists():  # placed by hand: record it now, as a download would
+        record.write_text(digest + "\n")
+    elif record.read_text().strip() != digest:
+        raise EvalError(f"{path}: SHA-256 {digest} differs from the {record.read_text().strip()} recorded when it "
+                        f"was downloaded (changed or damaged); delete {path} and {record.name} to download it again")
+    return read_items(path, HELLASWAG_ITEMS)
+
+
+def render(item, encode, max_len):
+    """An item -> 4 rows of token ids (context + ending i) and 4 masks (1 on the ending's
+    tokens), and whether the context was cut: a row longer than max_len keeps its last
+    context tokens (at least one), never fewer ending tokens."""
+    ctx = encode(item["ctx"])
+    rows, masks, cut = [], [], False
+    for ending in item["endings"]:
+        end = encode(" " + ending)  # GPT-2 BPE puts the space in the ending's first token
+        keep = max(1, max_len - len(end))
+        cut |= len(ctx) > keep
+        rows.append(ctx[-keep:] + end)
+        masks.append([0] * len(ctx[-keep:]) + [1] * len(end))
+    return rows, masks, cut
+
+
+@torch.no_grad()
+def ending_losses(model, rows, masks, device="cpu", autocast=nullcontext()):
+    """Rows of token ids (ragged) and their masks -> (summed, mean) loss over each row's
+    masked targets, float64 (R,) each. Rows are right-padded: a causal model's loss at a
+    position never depends on the padding after it."""
+    R, T = len(rows), max(map(len, rows))
+    idx = torch.zeros(R, T, dtype=torch.long)
+    mask = torch.zeros(R, T)
+    for r, (row, m) in enumerate(zip(rows, masks)):
+        idx[r, :len(row)] = torch.tensor(row)
+        mask[r, :len(m)] = torch.tensor(m, dtype=torch.float)
+    losses = token_losses(model, idx[:, :-1].to(device), idx[:, 1:].to(device), autocast).double().cpu()  # (R, T-1)
+    mask = mask[:, 1:].double()  # token t + 1 is predicted at position t
+    summed = (losses * mask).sum(1)
+    return summed, summed / mask.sum(1)
+
+
+def hellaswag(model, items, tokenizer, device="cpu", autocast=nullcontext(), max_len=1024, batch_items=8,
+              rank=0, world=1):
+    """acc and acc_norm of `model` on `items` (read_items); this rank scores items rank,
+    rank + world, ...; the counts are summed over ranks (all ranks must call it).
+    Returns {"items", "acc", "acc_norm", "contexts_cut", "chance"}."""
+    encode = encoder(tokenizer)
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
+    top = data.TOKENIZERS[tokenizer][0] - 1  # the largest id the tokenizer can write
+    if vocab is not None and top >= vocab:  # checked before any rank starts, so all stop alike
+        raise EvalError(f"the {tokenizer} tokenizer writes ids up to {top}, beyond the model's vocabulary of "
+                        f"{vocab}: the checkpoint cannot read the task's text")
+    counts = torch.zeros(4, dtype=torch.float64)  # items, correct by sum, correct by mean, contexts cut
+    mine = items[rank::world]
+    for start in range(0, len(mine), batch_items):
+        batch = mine[start: start + batch_items]
+        rows, masks = [], []
+        for item in batch:
+            r, m, cut = render(item, encode, max_len)
+            rows += r
+            masks += m
+            counts[3] += cut
+        summed, mean = ending_losses(model, rows, masks, device, autocast)
+        summed, mean = summed.view(-1, 4), mean.view(-1, 4)  # (items, 4 endings)
+        labels = torch.tensor([item["label"] for item in batch])
+        counts[0] += len(batch)
+        counts[1] += (summed.argmin(1) == labels).sum()
+        counts[2] += (mean.argmin(1) == labels).sum()
+    if world > 1:
+        counts = counts.to(device)
+        dist.all_reduce(counts)  # the counts of every rank's share
+        counts = counts.cpu()
+    n = int(counts[0])
+    return {"items": n, "acc": float(counts[1] / n), "acc_norm": float(counts[2] / n),
+            "contexts_cut": int(counts[3]), "chance": 0.25}
+
+
+def hellaswag_on_ranks(model, tokenizer, cache_dir, file="", device="cpu", autocast=nullcontext(),
+                       max_len=1024, batch_items=8, max_items=0, rank=0, world=1):
+    """hellaswag() on the cached (or --hellaswag_file) items: rank 0 reads them (downloading
+    them on first use) and sends them, or why it could not, to every rank (nodes need not
+    share a filesystem). Raises EvalError on every rank when it cannot run."""
+    items, problem = None, None
+    if rank == 0:
+        try:
+            encoder(tokenizer)
+            items = read_items(file) if file else hellaswag_items(cache_dir)
+        except (EvalError, OSError) as e:
+            problem = str(e)
+    if world > 1:
+        payload = [items, problem]
+        dist.broadcast_object_list(payload, src=0)
+        items, problem = payload
+    if problem:
+        raise EvalError(problem)
+    items = items[:max_items] if max_items else items
+    return hellaswag(model, items, tokenizer, device, autocast, max_len, batch_items, rank, world)
+
+
+# ----------------------------------------------------------------------------- one checkpoint or run
+
+def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=8, batch_size=4,
+                   device="cpu", autocast=nullcontext(), hellaswag_on=False, hellaswag_dir="data/hellaswag",
+                   hellaswag_file="", hellaswag_len=0, hellaswag_max=0, rank=0, world=1, log=print):
+    """Every evaluation of one model -> the eval.json record (complete on rank 0). Loss by
+    position runs on rank 0 (a few sequences); HellaSwag on every rank. What cannot run is
+    recorded with its reason (one printed line) and the rest still runs. All ranks must call it."""
+    was_training = model.training
+    model.eval()
+    out = {"step": step, "tokenizer": tokenizer, "data_dir": data_dir, "trained_len": trained_len,
+           "attn": getattr(getattr(model, "cfg", None), "attn", None)}
+    if rank == 0 and n_seq > 0:
+        try:
+            out["positions"] = evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size,
+                                                device, autocast, log=log)
+            first = out["positions"][0]
+            for key in ("nats_per_token", "bits_per_byte"):
+                out[key] = first.get(key)
+            out["unigram"] = {"nats_per_token": first.get("unigram_nats_per_token"),
+                              "bits_per_byte": first.get("unigram_bits_per_byte")}
+        except data.ShardError as e:
+            out["positions_skipped"] = str(e)
+            log(f"loss by position: skipped: {e}")
+    if hellaswag_on:
+        try:
+            out["hellaswag"] = hellaswag_on_ranks(model, tokenizer, hellaswag_dir, hellaswag_file, device, autocast,
+                                                  hellaswag_len or trained_len, 8, hellaswag_max, rank, world)
+            h = out["hellaswag"]
+            log(f"hellaswag: acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} on {h['items']} items (chance 0.25)"
+                + (f"; {h['contexts_cut']} contexts cut to {hellaswag_len or trained_len} tokens" if h["contexts_cut"] else ""))
+        except EvalError as e:
+            out["hellaswag"] = {"skipped": str(e)}
+            log(f"hellaswag: skipped: {e}")
+    model.train(was_training)
+    return out
+
+
+DEFAULTS = dict(ckpt="", data_dir="", out="", n_seq=64, batch_size=4, hellaswag=False,
+                hellaswag_dir="data/hellaswag", hellaswag_file="", hellaswag_len=0, hellaswag_max=0,
+                device="auto", kernel="")
+
+
+def main(argv=None):
+    """The command line (module docstring); flags: DEFAULTS, as --key=value."""
+    from model import CheckpointError, load_checkpoint
+    from train import cuda_missing, fail, init_process_group, parse_flags, resolve_device
+
+    given, _ = parse_flags(sys.argv[1:] if argv is None else argv, {"keys": DEFAULTS}, "evaluate.py", doc=__doc__)
+    args = {**DEFAULTS, **given}
+    if not args["ckpt"]:
+        fail("evaluate.py: --ckpt=RUN_DIR_OR_FILE is required")
+    ddp = "RANK" in os.environ
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(args["device"])
+    if device.startswith("cuda"):
+        if cuda_missing():
+            fail(f"evaluate.py: {cuda_missing()}")
+        torch.cuda.set_device(device)
+    if ddp:
+        init_process_group("nccl" if device.startswith("cuda") else "gloo", rank, world)
+    try:
+        model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"] or None)
+    except CheckpointError as e:
+        fail(f"evaluate.py: {e}", code=1)
+    train_config = ckpt.get("train_config") or {}
+    trained_len = train_config.get("seq_len") or 1024
+    data_dir = args["data_dir"] or train_config.get("data_dir", "")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"{args['ckpt']}: attn={model.cfg.attn}, step {ckpt.get('step', '?')}, trained at {trained_len} tokens, "
+        f"tokenizer {ckpt.get('tokenizer', 'gpt2')}, val data {data_dir}")
+    record = evaluate_model(model, data_dir=data_dir, tokenizer=ckpt.get("tokenizer", "gpt2"), trained_len=trained_len,
+                            step=ckpt.get("step"), n_seq=args["n_seq"], batch_size=args["batch_size"], device=device,
+                            autocast=autocast, hellaswag_on=args["hellaswag"], hellaswag_dir=args["hellaswag_dir"],
+                            hellaswag_file=args["hellaswag_file"], hellaswag_len=args["hellaswag_len"],
+                            hellaswag_max=args["hellaswag_max"], rank=rank, world=world, log=log)
+    record["checkpoint"] = str(args["ckpt"])
+    if ddp:
+        dist.destroy_process_group()
+    if rank == 0:
+        run_dir = args["ckpt"] if os.path.isdir(args["ckpt"]) else os.path.dirname(args["ckpt"]) or "."
+        out = args["out"] or os.path.join(run_dir, "eval.json")
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        log(f"wrote {out}")
+    failed = "skipped" in record.get("hellaswag", {}) or "positions_skipped" in record
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
