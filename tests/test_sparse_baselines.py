@@ -283,12 +283,7 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     cot = torch.randn(2, 4, T, 8, generator=g)
     ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
-    kernels_step = kernels.BLOCK_GATHER
-    kernels.BLOCK_GATHER = 2000  # several checkpointed chunks
-    try:
-        out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
-    finally:
-        kernels.BLOCK_GATHER = kernels_step
+    out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-4
