@@ -160,6 +160,21 @@ def test_nsa_equals_the_papers_loop(kernel):
     assert rel(out, expected) < 1e-5
 
 
+def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
+    """The compressed branch and the selection a few queries at a time (checkpointed):
+    outputs equal to the paper's loop, gradients equal to one chunk's."""
+    module = make("nsa")
+    q, k, v, x = (t.requires_grad_() for t in inputs(module, 45))
+    out = run(module, "fused", q, k, v, x)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, x))
+    monkeypatch.setattr(attention.NativeSparseAttention, "SCORES", 4 * 20 * 7)  # 7 queries a chunk
+    chunked = run(module, "fused", q, k, v, x)
+    with torch.no_grad():
+        assert rel(chunked, nsa_loop(module, q, k, v, x)) < 1e-5
+    for a, b in zip(torch.autograd.grad(chunked.square().sum(), (q, k, v, x)), grads):
+        assert rel(a, b) < 1e-5
+
+
 # ---------------------------------------------------------------------------- reductions, causality
 
 def test_moba_with_every_block_is_full_attention():
