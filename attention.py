@@ -259,9 +259,12 @@ def ops(kernel, device):
     'ref': this file. 'flex': kernels.py's FlexAttention + SDPA path on any device.
     'fused': the best path for the device: FlexAttention + SDPA on CUDA; on CPU, where
     FlexAttention has no backward, kernels.py's blockwise path (faster than the reference
-    at every measured length, see benchmarks/attention.py)."""
+    at every measured length, see benchmarks/attention.py). 'blockwise': that path on any
+    device (train.py's preflight falls back to it where FlexAttention fails on a GPU)."""
     if kernel == "ref":
         return REFERENCE
+    if kernel == "blockwise":
+        return kernels.BLOCKWISE
     if kernel == "flex" or torch.device(device).type == "cuda":
         return kernels.FLEX
     return kernels.BLOCKWISE

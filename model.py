@@ -12,7 +12,7 @@ import os
 import pickle
 import sys
 import zipfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,7 @@ class ModelConfig:
     # attention variant and its settings (attention.py documents each)
     attn: str = "full"
     window: int = 256  # a query at i sees keys i - window .. i in windowed variants
-    kernel: str = "fused"  # ref: attention.py as written; fused: best for the device; flex (attention.ops)
+    kernel: str = "fused"  # ref: attention.py as written; fused: best for the device; flex; blockwise (attention.ops)
     dsa_gate: bool = True
     dsa_window: str = "adaptive"  # adaptive ([DSA-A], 4.904) | fixed ([DSA], W=256 always, 4.6498) | none
     dsa_threshold: int = 512  # adaptive: windowed only for query positions >= this
@@ -68,7 +68,7 @@ class ModelConfig:
     index_heads: int = 4  # H^I: the lightning indexer's heads
     index_head_dim: int = 64  # d^I: their size (RoPE on the first half)
 
-    CHOICES = dict(kernel=("ref", "fused", "flex"), dsa_window=("adaptive", "fixed", "none"),
+    CHOICES = dict(kernel=("ref", "fused", "flex", "blockwise"), dsa_window=("adaptive", "fixed", "none"),
                    asga_gate=("learned", "fixed", "off"), asga_gate_space=("logit", "prob"),
                    caa_gate=("learned", "local", "global"), caa_topk=("sqrt", "all"),
                    nsa_compress=("mean", "mlp"), nsa_kv=("shared", "independent"))
@@ -279,6 +279,14 @@ class Model(nn.Module):
 # ----------------------------------------------------------------------------- checkpoints
 # One saver and one loader for every checkpoint: train.py writes and resumes with them,
 # sample.py, analyze.py and experiments/recall.py load models through them.
+
+def set_kernel(model, kernel):
+    """Switch every module of `model` to the core-op path `kernel` (attention.ops), on a copy
+    of each module's config (the caller's ModelConfig, saved in checkpoints, is left as is)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "cfg", None), ModelConfig):
+            m.cfg = replace(m.cfg, kernel=kernel)
+
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and the problem."""

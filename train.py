@@ -70,8 +70,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import flops
 from attention import VARIANTS, attention_path
-from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint
+from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint, set_kernel
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -105,6 +106,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto | bfloat16 | float32: the autocast dtype; weights stay float32
     compile: bool = False  # torch.compile the model (worth it on GPU)
     dry_run: bool = False  # print the plan and exit (needs neither a GPU nor data)
+    preflight: str = "auto"  # auto (on CUDA) | on | off: check the attention path against the reference first
     # indexer ([DS32]): the first steps attend densely while the lightning indexer learns
     indexer_warmup: int = 50  # steps of dense attention (the paper's dense warm-up); 0: sparse from step 1
     indexer_lr: float = 1e-3  # the indexer's peak lr (the paper's warm-up lr), same schedule shape
@@ -255,7 +257,7 @@ def parse_args(argv):
     The preset is --preset, else the device's (DEVICE_PRESETS); its values replace the
     TrainConfig defaults, and typed keys replace those."""
     given, _ = parse_flags(argv, {"training keys": TRAIN_DEFAULTS, "model keys": MODEL_DEFAULTS},
-                           "train.py", choices={"resume": ("false", "true", "auto")},
+                           "train.py", choices={"resume": ("false", "true", "auto"), "preflight": ("auto", "on", "off")},
                            doc=__doc__ + f"\npresets: {', '.join(TRAIN_PRESETS)}; model sizes: "
                            f"{', '.join(PRESETS)}; --attn: {', '.join(VARIANTS)}")
     device = given.get("device", "auto")
@@ -476,7 +478,8 @@ def print_plan(tc, mc, run, accum, action):
     """The run's plan, printed once (rank 0) before the first step, with the data budget;
     action: what the run does with out_dir (folder_action)."""
     with torch.device("meta"):  # the parameter count without allocating the weights
-        n_params = Model(mc).num_params()
+        meta_model = Model(mc)
+    n_params = meta_model.num_params()
     planned = tc.max_steps * tc.total_batch_tokens
     found, problem = train_tokens_found(tc.data_dir)
     make = shards_command(tc, mc)
@@ -492,6 +495,7 @@ def print_plan(tc, mc, run, accum, action):
         f"device      {run['device']} x {run['world']} process(es)" + (" (dry run)" if tc.dry_run else ""),
         f"precision   {precision}",
         f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
+        f"flops       {flops.describe(meta_model, tc.seq_len)} (flops.py; MFU in the log on A100/H100/H200)",
         f"attention   {mc.attn}, {attention_path(mc, run['device'])}",
         f"window      {window_line}",
         f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
@@ -502,6 +506,8 @@ def print_plan(tc, mc, run, accum, action):
            f"then sparse" if mc.attn == "indexer" else ""),
         f"tokens      {planned:,} planned; {data_line}",
         f"compile     {'on' if tc.compile else 'off'}",
+        f"preflight   " + ("on: kernel=" + mc.kernel + " checked against kernel=ref before step 1, with a fallback"
+                           if preflight_on(tc, run["device"]) and mc.kernel != "ref" else "off"),
         f"run folder  {tc.out_dir} ({FOLDER_LINES[action]})",
     ]
     print("plan\n  " + "\n  ".join(lines), flush=True)
@@ -513,6 +519,86 @@ def print_plan(tc, mc, run, accum, action):
         print(f"warning: the run plans {planned:,} tokens but {tc.data_dir} holds {found:,} "
               f"training tokens, so it repeats the data ({planned / found:.2f} epochs); to see "
               f"each token once: {make}", flush=True)
+
+
+# ----------------------------------------------------------------------------- preflight
+
+# Fallbacks, best first, for an attention path that fails its preflight.
+FALLBACKS = ("blockwise", "ref")
+
+
+def preflight_on(tc, device):
+    return tc.preflight == "on" or (tc.preflight == "auto" and device.startswith("cuda"))
+
+
+def preflight(raw_model, x, mc, run, typed):
+    """On CUDA (or --preflight=on): before the first step, run the chosen attention path's
+    forward and backward on a slice of real data (x: (B, T) tokens, as the run's autocast
+    runs it) against the reference path (kernel='ref', attention.py), and check the loss and
+    every gradient. Where the chosen path raises (a kernel the GPU's compiler rejects, as
+    asga's learned gate did on torch 2.13) or disagrees beyond rounding (a relative error
+    above 5e-2 in bf16, 1e-3 in float32: a wrong kernel, not rounding), the run switches to
+    the first of FALLBACKS that passes and says so in one line; a --kernel typed on the command
+    line stops the run with that line instead. Every rank checks every path and the ranks
+    agree on the choice (one all-reduce), so they all run the same kernels. Returns the
+    kernel the run uses; the model's modules are switched to it (model.set_kernel)."""
+    chosen = mc.kernel
+    if chosen == "ref":
+        return chosen
+    device = run["device"]
+    paths = [chosen] + [k for k in FALLBACKS if k != chosen]
+    tol = 5e-2 if run["dtype"] == "bfloat16" else 1e-3
+
+    def loss_and_grads(kernel):
+        set_kernel(raw_model, kernel)
+        raw_model.zero_grad(set_to_none=True)
+        with run["autocast"]:
+            _, loss = raw_model(x[:, :-1], x[:, 1:])
+            kl = raw_model.indexer_loss()
+        (loss if kl is None else loss + kl).backward()
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                           for p in raw_model.parameters()])
+        raw_model.zero_grad(set_to_none=True)
+        return loss.detach().float(), grads
+
+    try:
+        ref_loss, ref_grads = loss_and_grads("ref")
+    except Exception as e:
+        set_kernel(raw_model, chosen)
+        fail(f"preflight: the reference attention path (kernel=ref) itself failed on {device}: "
+             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; lower --seq_len or --batch_size, "
+             f"or skip the check with --preflight=off", code=1)
+    verdicts = {}
+    for kernel in paths:
+        if kernel == "ref":
+            verdicts[kernel] = (True, "the reference")
+            continue
+        try:
+            loss, grads = loss_and_grads(kernel)
+            err = max(abs(loss - ref_loss).item() / max(abs(ref_loss).item(), 1e-6),
+                      ((grads - ref_grads).norm() / ref_grads.norm().clamp(min=1e-12)).item())
+            verdicts[kernel] = (err <= tol, f"relative error {err:.1e} against the reference (bound {tol:g})")
+        except Exception as e:  # a compile or launch error: the one-line reason
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            verdicts[kernel] = (False, f"{type(e).__name__}: {first[:300]}")
+    passed = torch.tensor([float(verdicts[k][0]) for k in paths], device=device)
+    if run["ddp"]:
+        dist.all_reduce(passed, op=dist.ReduceOp.MIN)  # a path passes only where it passed on every rank
+    use = next(k for k, ok in zip(paths, passed.tolist()) if ok)
+    set_kernel(raw_model, use)
+    name = lambda k: f"kernel={k} ({attention_path(replace(mc, kernel=k), device).split(': ', 1)[1]})"
+    if use == chosen:
+        if run["master"]:
+            print(f"preflight: {name(chosen)} matches the reference: {verdicts[chosen][1]}", flush=True)
+        return use
+    why = verdicts[chosen][1] if not verdicts[chosen][0] else "failed on another rank"
+    if "kernel" in typed:
+        fail(f"preflight: {name(chosen)} failed: {why}; pick another --kernel ({', '.join(FALLBACKS)}; "
+             f"{use} passed here) or skip the check with --preflight=off", code=1)
+    if run["master"]:
+        print(f"preflight: {name(chosen)} failed: {why}; this run uses {name(use)} instead "
+              f"(slower; please report the failure with `python benchmarks/gpu_check.py`)", flush=True)
+    return use
 
 
 # ----------------------------------------------------------------------------- optimisation
@@ -655,7 +741,7 @@ class RunLog:
     when the job died) are dropped, and `lost` says how many steps that was."""
 
     def __init__(self, out_dir, master, run_info, step, resumed):
-        self.master, self.lost, self.file = master, 0, None
+        self.master, self.lost, self.file, self.info = master, 0, None, run_info
         if not master:
             return
         path = os.path.join(out_dir, "log.jsonl")
@@ -763,6 +849,8 @@ def open_log(tc, mc, run, accum, raw_model, step, resumed):
     run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
                 "world_size": run["world"], "grad_accum": accum, "num_params": raw_model.num_params(),
                 "tokenizer": data.tokenizer_of(tc.data_dir)[0],
+                "flops_per_token": flops.flops_per_token(raw_model, tc.seq_len),
+                "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
                 "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
                 "train": asdict(tc), "model": asdict(mc)}
     runlog = RunLog(tc.out_dir, run["master"], run_info, step, resumed)
@@ -774,6 +862,14 @@ def open_log(tc, mc, run, accum, raw_model, step, resumed):
                   f"lost {runlog.lost} step(s) run after that checkpoint", flush=True)
         runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
     return runlog
+
+
+def throughput(tok_s, info, world):
+    """FLOP/s per device from the run's tokens/s (all processes), and the MFU against the
+    device's dense bf16 peak where flops.PEAK_BF16 knows the device (CUDA only)."""
+    flop_s = info["flops_per_token"] * tok_s / world
+    use = flops.mfu(flop_s, info["device_name"]) if info["device"].startswith("cuda") else None
+    return {"flop_s": flop_s} if use is None else {"flop_s": flop_s, "mfu": use}
 
 
 class StopRequest:
@@ -827,6 +923,8 @@ def main(argv=None):
     optimizer = make_optimizer(raw_model, tc)
     step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
     gate_x = next(iter(val_loader))[0][: tc.gate_batch].to(device)  # (gate_batch, T), fixed
+    if preflight_on(tc, device):
+        preflight(raw_model, gate_x[:2], mc, run, typed)
     model = wrap(raw_model, gate_x, tc, run)
     eval_model = model.module if ddp else model
     runlog = open_log(tc, mc, run, accum, raw_model, step, resumed)
@@ -888,6 +986,7 @@ def main(argv=None):
         dt = time.time() - t0
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tok_s": tc.total_batch_tokens / dt,
                   "mem_gb": peak_memory_gb(device), "tokens": step * tc.total_batch_tokens}
+        record.update(throughput(record["tok_s"], runlog.info, world))
         if dense is not None:  # the indexer's KL (this rank's), summed over layers, and its stage
             record.update(indexer_kl=kl_sum.item(), indexer_stage="dense" if dense else "sparse")
         # -- evaluation
@@ -901,8 +1000,9 @@ def main(argv=None):
         kept = record.get("gates", {}).get("kept_mass")
         if kept:  # share of the dense attention's mass on the selected keys, mean over layers
             val_text += f" | kept {sum(m[0] for m in kept['mean']) / len(kept['mean']):.3f}"
+        use = f"mfu {100 * record['mfu']:.1f}%" if "mfu" in record else f"{record['flop_s'] / 1e12:.3g} TFLOP/s"
         log(f"step {step}/{tc.max_steps} | loss {loss_value:.4f}{val_text} | {record['tok_s'] / 1e3:.1f}k tok/s "
-            f"| {record['mem_gb']:.1f} GB | lr {lr:.1e}")
+            f"| {use} | {record['mem_gb']:.1f} GB | lr {lr:.1e}")
         runlog.write(record)
         # -- checkpoint
         if stats[1] > 0:

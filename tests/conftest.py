@@ -99,3 +99,4 @@ def checkout_unchanged():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (still run by CI unless deselected with -m 'not slow')")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; `python benchmarks/gpu_check.py` runs these (`-m cuda`)")

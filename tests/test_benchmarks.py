@@ -1,14 +1,19 @@
-"""benchmarks/train_step.py --quick: the structure of its JSON and the meaning of its ratio
+"""benchmarks/train_step.py --quick and benchmarks/gpu_check.py (tiny): the structure of its JSON and the meaning of its ratio
 (no timing is asserted: speed lives in the benchmark's printed ratios).
 
 Run as its own process, as a user runs it: the benchmark forks a child per configuration
 before it runs any torch op, and a child forked from this test process (whose OpenMP
 threads earlier tests started) deadlocked in the full suite."""
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+import attention
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,3 +39,29 @@ def test_train_step_quick_json(tmp_path):
         assert "error" not in r, r
         assert r["tok_s"] > 0 and r["peak_mb"] > 0 and r["step_mb"] >= 0
         assert r["peak_mb"] >= r["step_mb"]
+
+
+def test_gpu_check_runs_every_step_at_the_tiny_shape(tmp_path):
+    """benchmarks/gpu_check.py, the command a GPU user runs first, runs on a CPU at its tiny
+    shape: the CUDA-only tests (skipped here, each with its reason), every configuration's
+    attention core against SDPA, and training steps of every configuration after the
+    preflight, into one JSON and one Markdown table."""
+    out = tmp_path / "check.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), f"--out={out}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+    names = [n for n, _ in gpu_check.CONFIGS]
+    assert {n.split("-")[0] for n in names} == set(attention.VARIANTS)  # every variant is checked
+    assert result["tests"]["skipped"] >= 2 and result["tests"]["failed"] == 0 and result["tests"]["passed"] == 0
+    for section in ("attention", "training"):
+        rows = result[section]
+        assert not [r for r in rows if "error" in r], rows
+        assert sorted({r["config"] for r in rows}) == sorted(names)
+    for row in result["training"]:
+        assert row["tok_s"] > 0 and row["kernel"] == "fused" and row["mfu"] is None
+        assert row["flop_s"] == pytest.approx(row["flops_per_token"] * row["tok_s"])
+    md = (tmp_path / "check.md").read_text()
+    assert all(f"| {n} |" in md for n in names) and "tests (pytest -m cuda)" in md

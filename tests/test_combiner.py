@@ -307,6 +307,7 @@ def test_flex_forward_equals_reference(T):
     assert error <= bound, f"{what}: {error:.2e} > {bound:.2e} at T={T}"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs CUDA (not implemented on CPU)")
 @pytest.mark.parametrize("T", (7, 3 * S + 5, 300))
 def test_flex_gradients_equal_reference_cuda(T):

@@ -233,6 +233,7 @@ def test_flex_equals_reference(attn, flags):
         check(module, T, B=1, p0=p0, k0=k0, kernel="flex")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward for q, k, v "
                     "needs CUDA (on CPU torch raises NotImplementedError)")
 @pytest.mark.parametrize("attn,flags", CONFIGS, ids=IDS)

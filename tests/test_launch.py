@@ -83,12 +83,13 @@ def test_cuda_dry_run_plans_the_papers_model(capsys, tmp_path):
     assert 130 < params < 140, text
     assert "bfloat16 autocast, float32 master weights, TF32" in text
     assert "compile     on" in text and "524,288 tokens/step" in text and "asga" in text
+    assert "preflight   on: kernel=fused" in text and "MFLOPs per token at T = 1024" in text
     assert f"no shards found at {tmp_path / 'none'}" in text
 
 
 def test_cpu_dry_run_plans_the_cpu_default_and_presets_win(capsys, tmp_path):
     cpu = plan(capsys, "--device=cpu", f"--data_dir={tmp_path}", out=tmp_path)
-    assert "preset cpu" in cpu and "float32" in cpu and "bfloat16" not in cpu and "compile     off" in cpu
+    assert "preset cpu" in cpu and "float32" in cpu and "bfloat16" not in cpu and "compile     off" in cpu and "preflight   off" in cpu
     if not torch.cuda.is_available():  # no --device: this machine's default is the CPU one
         assert plan(capsys, f"--data_dir={tmp_path}", out=tmp_path) == cpu
     forced = plan(capsys, "--device=cuda", "--preset=cpu", f"--data_dir={tmp_path}", out=tmp_path)

@@ -17,7 +17,8 @@ import torch
 
 from conftest import CORPUS, ENGLISH, ROOT, requires_corpus, requires_gpt2
 import data
-from model import read_checkpoint
+import flops
+from model import Model, ModelConfig, read_checkpoint
 
 # Shards are tokenized with GPT-2's BPE: without its files these tests cannot run.
 pytestmark = requires_gpt2
@@ -95,6 +96,33 @@ def test_ddp_two_ranks_equal_one_process_with_accumulation(shards, single_run, t
     gs, gd = ({r["step"]: r["grad_norm"] for r in read_log(d) if "grad_norm" in r} for d in (single, tmp_path))
     assert all(abs(gs[s] - gd[s]) <= 1e-5 * gd[s] for s in gs), (gs, gd)
     assert ls[STEPS] < ls[1]  # it trained
+
+
+def test_log_records_model_flops_and_the_flop_rate(single_run):
+    """config.json holds the model's FLOPs per token (flops.py); every step its FLOP/s per
+    process, from tokens/s; no MFU on a CPU (no peak to divide by)."""
+    out, r = single_run
+    info = json.load(open(os.path.join(out, "config.json")))
+    with torch.device("meta"):
+        expected = flops.flops_per_token(Model(ModelConfig(**info["model"])), 32)
+    assert info["flops_per_token"] == pytest.approx(expected)
+    steps = [rec for rec in read_log(out) if "loss" in rec and "event" not in rec]
+    for rec in steps:
+        assert rec["flop_s"] == pytest.approx(info["flops_per_token"] * rec["tok_s"])
+        assert "mfu" not in rec
+    assert "TFLOP/s" in r.stdout and "flops       " in r.stdout
+
+
+def test_preflight_runs_in_train_py_and_a_typed_failing_kernel_stops_it(shards, tmp_path):
+    """--preflight=on (the default on CUDA only): a working path is reported and trains; a
+    typed --kernel=flex, whose backward fails on a CPU, stops the run before it writes anything."""
+    ok = train(*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path / 'ok'}", "--max_steps=1", "--attn=local",
+               "--window=8", "--preflight=on")
+    assert "preflight: kernel=fused" in ok.stdout and "matches the reference" in ok.stdout
+    bad = train(*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path / 'bad'}", "--max_steps=1", "--attn=local",
+                "--window=8", "--preflight=on", "--kernel=flex", check=False)
+    assert bad.returncode == 1 and "error: preflight: kernel=flex" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "bad" / "ckpt.pt").exists()
 
 
 def test_resume_gives_the_same_losses(shards, single_run, tmp_path):

@@ -1,0 +1,294 @@
+"""The GPU node check: one command that runs what only a GPU can show, and writes it down.
+
+    python benchmarks/gpu_check.py                 # on a GPU node: ~20-40 min on one H100 (not yet measured)
+    python benchmarks/gpu_check.py --tiny          # the same steps at a tiny shape (the default on a CPU)
+
+1. tests: the CUDA-only tests (`pytest -m cuda tests`): compiled FlexAttention's gradients
+   for q, k, v against the reference, for every variant (FlexAttention has no CPU backward).
+2. attention: each configuration's attention core, forward + backward in bf16 autocast at
+   T = 1024 .. 8192 (qwen-134m's 12 heads of 64, batch 4), its time and peak memory, and its
+   time over flash SDPA's (causal) on the same q, k, v.
+3. training: 30 steps of each configuration at the qwen-134m shape (bf16 autocast, compiled,
+   AdamW, random tokens, train.py's own optimizer and preflight), printing tokens/s, MFU
+   (flops.py) and peak memory; a configuration whose kernels fail the preflight says which
+   path it fell back to, and one that fails outright keeps its error in its row.
+
+Everything goes to one JSON (`--out`, default gpu_check.json) and one Markdown table (the
+same name, .md) to paste into an issue, with the device, torch, CUDA and git commit. On a CPU
+the tiny shape (the 2-layer `tiny` model, T = 64 .. 128, 3 steps) runs every step in about a
+minute, float32 with kernel=fused (blockwise) and no compile: the suite runs it that way
+(tests/test_benchmarks.py), so the command is known to work before it meets a GPU.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import flops  # noqa: E402
+import train  # noqa: E402
+from attention import VARIANTS  # noqa: E402
+from model import PRESETS, Model, ModelConfig  # noqa: E402
+
+# Every variant, and each flag that changes the kernels (gpu_compile_check's configurations).
+CONFIGS = [
+    ("full", {}), ("local", {}), ("dsa", {}), ("dsa-fixed", dict(dsa_window="fixed")),
+    ("asga", {}), ("asga-prob", dict(asga_gate_space="prob")), ("asga-noscale", dict(asga_scale=False)),
+    ("asga-fixed", dict(asga_gate="fixed")), ("caa", {}), ("caa-all", dict(caa_topk="all")),
+    ("combiner", {}), ("nsa", {}), ("moba", {}), ("indexer", {}),
+]
+GPU = dict(model="qwen-134m", lengths=(1024, 2048, 4096, 8192), attn_batch=4, T=1024, batch=16, steps=30)
+TINY = dict(model="tiny", lengths=(64, 128), attn_batch=2, T=64, batch=4, steps=3)
+# The tiny shape's sizes: every window, block and budget well inside T = 64.
+TINY_FLAGS = dict(window=16, dsa_threshold=32, caa_window_max=32, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=8,
+                  nsa_topk=3, nsa_window=16, moba_block=8, moba_topk=3, index_head_dim=16)
+
+
+def config(name, flags, shape, kernel="fused"):
+    attn = name.split("-")[0]
+    extra = TINY_FLAGS if shape is TINY else {}
+    return ModelConfig(**{**PRESETS[shape["model"]], "vocab_size": 50304 if shape is GPU else 512,
+                          "attn": attn, "kernel": kernel, **extra, **flags})
+
+
+class Timer:
+    """Wall time of a step (synchronised on CUDA) and the peak memory since reset()."""
+
+    def __init__(self, device):
+        self.cuda = device.startswith("cuda")
+
+    def reset(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def time(self, fn):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def peak_gb(self):
+        return torch.cuda.max_memory_allocated() / 1e9 if self.cuda else None
+
+
+def first_line(e):
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def run_tests(device):
+    """The CUDA-only tests (marked `cuda`), as a child pytest of the files that hold them:
+    {'passed', 'failed', 'skipped', 'summary', ...}."""
+    tests = os.path.join(ROOT, "tests")
+    files = sorted(os.path.join(tests, f) for f in os.listdir(tests) if f.startswith("test_") and f.endswith(".py")
+                   and "@pytest.mark.cuda" in open(os.path.join(tests, f)).read())
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", *files],
+                       cwd=ROOT, capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    summary = lines[-1] if lines else r.stderr.strip()[-300:]
+    counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
+    for part in summary.strip("= ").split(","):
+        words = part.split()
+        if len(words) >= 2 and words[0].isdigit():
+            key = words[1].rstrip("s") if words[1].startswith("error") else words[1]
+            counts[key if key in counts else words[1]] = int(words[0])
+    print(f"tests (pytest -m cuda): {summary}", flush=True)
+    return {**counts, "summary": summary, "exit_code": r.returncode,
+            "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))][:20]}
+
+
+def attention_rows(shape, device, dtype):
+    """Each configuration's attention core against SDPA causal (flash on CUDA), fwd + bwd."""
+    timer, rows, runs = Timer(device), [], 3 if shape is TINY else 10
+    H, D = PRESETS[shape["model"]]["n_head"], PRESETS[shape["model"]]["head_dim"]
+    d_model, B = PRESETS[shape["model"]]["d_model"], shape["attn_batch"]
+    autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
+    for T in shape["lengths"]:
+        q, k, v = (torch.randn(B, H, T, D, device=device, requires_grad=True) for _ in range(3))
+        x = torch.randn(B, T, d_model, device=device)
+
+        def measure(fn):
+            def step():
+                with autocast:
+                    out = fn()
+                out.float().sum().backward()
+            step()  # compile, warm up
+            timer.reset()
+            return statistics.median(timer.time(step) for _ in range(runs)) * 1e3, timer.peak_gb()
+
+        sdpa_ms, sdpa_gb = measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        for name, flags in CONFIGS:
+            row = dict(config=name, T=T, B=B, sdpa_ms=sdpa_ms, sdpa_gb=sdpa_gb)
+            try:
+                cfg = config(name, flags, shape)
+                module = VARIANTS[cfg.attn](cfg).to(device)
+                for p in module.parameters():
+                    p.data.normal_(0, 0.1)
+                row["ms"], row["gb"] = measure(lambda: module.attend(q, k, v, x, 0, 0))
+                row["x_sdpa"] = row["ms"] / sdpa_ms
+                shown = f"{row['ms']:9.2f} ms  {row['x_sdpa']:6.2f}x sdpa"
+            except Exception as e:  # noqa: BLE001 - kept in the row: the point is to report it
+                row["error"] = shown = first_line(e)
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"attention {name:14s} T={T:5d} {shown}", flush=True)
+    return rows
+
+
+def training_rows(shape, device, dtype, compile_model):
+    """Steps of each configuration: tokens/s (median after the first step), MFU, peak memory."""
+    timer, rows = Timer(device), []
+    T, B, steps = shape["T"], shape["batch"], shape["steps"]
+    autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
+    run = dict(device=device, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", autocast=autocast,
+               ddp=False, master=True)
+    tc = train.TrainConfig()
+    name_of_device = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    for name, flags in CONFIGS:
+        row = dict(config=name, T=T, batch=B, steps=steps)
+        try:
+            torch.manual_seed(0)
+            mc = config(name, flags, shape)
+            model = Model(mc).to(device)
+            row["flops_per_token"] = flops.flops_per_token(model, T)
+            tokens = torch.randint(0, mc.vocab_size, (B, T + 1), device=device)
+            row["kernel"] = train.preflight(model, tokens[:2], mc, run, typed=set())
+            optimizer = train.make_optimizer(model, tc)
+            step_model = torch.compile(model) if compile_model else model
+
+            def step():
+                with autocast:
+                    _, loss = step_model(tokens[:, :-1], tokens[:, 1:])
+                    kl = model.indexer_loss()
+                (loss if kl is None else loss + kl).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            step()  # compile, warm up
+            timer.reset()
+            times = [timer.time(step) for _ in range(steps)]
+            row["tok_s"] = B * T / statistics.median(times)
+            row["peak_gb"] = timer.peak_gb()
+            row["flop_s"] = row["flops_per_token"] * row["tok_s"]
+            row["mfu"] = flops.mfu(row["flop_s"], name_of_device) if device.startswith("cuda") else None
+            use = f"mfu {100 * row['mfu']:5.1f}%" if row["mfu"] is not None else f"{row['flop_s'] / 1e12:.3g} TFLOP/s"
+            shown = f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}"
+            del model, step_model, optimizer
+        except SystemExit as e:  # train.fail inside the preflight: its line is on stderr
+            row["error"] = shown = f"stopped by the preflight (exit {e.code})"
+        except Exception as e:  # noqa: BLE001 - kept in the row
+            row["error"] = shown = first_line(e)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"training  {name:14s} T={T:5d} {shown}", flush=True)
+    return rows
+
+
+def environment(device):
+    env = dict(torch=torch.__version__, python=sys.version.split()[0], device=device)
+    if device.startswith("cuda"):
+        env.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   gpus=torch.cuda.device_count())
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or None
+    except OSError:
+        env["git_commit"] = None
+    return env
+
+
+def markdown(result):
+    env, lines = result["environment"], []
+    lines.append(f"### gpu_check: {env.get('device_name', env['device'])}, torch {env['torch']}"
+                 f"{', CUDA ' + env['cuda'] if env.get('cuda') else ''}, commit {env.get('git_commit')}, "
+                 f"shape {result['shape']}")
+    if "tests" in result:
+        lines.append(f"\ntests (pytest -m cuda): {result['tests']['summary']}")
+        lines += [f"- {f}" for f in result["tests"]["failures"]]
+    if "attention" in result:
+        lengths = sorted({r["T"] for r in result["attention"]})
+        lines.append("\nattention core, forward + backward: ms (x SDPA causal)\n")
+        lines.append("| config | " + " | ".join(f"T={T}" for T in lengths) + " |")
+        lines.append("|---" * (len(lengths) + 1) + "|")
+        by = {(r["config"], r["T"]): r for r in result["attention"]}
+        for name, _ in CONFIGS:
+            cells = []
+            for T in lengths:
+                r = by.get((name, T))
+                cells.append("-" if r is None else r.get("error", f"{r['ms']:.2f} ({r['x_sdpa']:.2f}x)")[:60])
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("| SDPA causal | " + " | ".join(f"{by[(CONFIGS[0][0], T)]['sdpa_ms']:.2f}" for T in lengths) + " |")
+    if "training" in result:
+        lines.append("\ntraining steps\n")
+        lines.append("| config | kernel | tok/s | MFU | TFLOP/s | peak GB |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in result["training"]:
+            if "error" in r:
+                lines.append(f"| {r['config']} | - | {r['error'][:80]} | | | |")
+                continue
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+            gb = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else "-"
+            lines.append(f"| {r['config']} | {r['kernel']} | {r['tok_s']:,.0f} | {mfu} | {r['flop_s'] / 1e12:.3g} | {gb} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape (the default without CUDA)")
+    parser.add_argument("--out", default="gpu_check.json", help="the JSON; the Markdown table goes beside it (.md)")
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip: tests, attention, training")
+    parser.add_argument("--only", help="comma-separated configurations (default: all of CONFIGS)")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tiny = args.tiny or device == "cpu"
+    shape = TINY if tiny else GPU
+    global CONFIGS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {n for n, _ in CONFIGS}
+        if unknown:
+            sys.exit(f"error: unknown --only {', '.join(sorted(unknown))}; valid: {', '.join(n for n, _ in CONFIGS)}")
+        CONFIGS = [c for c in CONFIGS if c[0] in wanted]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    skip = set(filter(None, args.skip.split(",")))
+    result = dict(environment=environment(device), shape="tiny" if tiny else "qwen-134m", dtype=str(dtype))
+    print(f"gpu_check on {result['environment'].get('device_name', device)}, shape {result['shape']}, {dtype}",
+          flush=True)
+    t0 = time.time()
+    if "tests" not in skip:
+        result["tests"] = run_tests(device)
+    if "attention" not in skip:
+        result["attention"] = attention_rows(shape, device, dtype)
+    if "training" not in skip:
+        result["training"] = training_rows(shape, device, dtype, compile_model=device == "cuda")
+    result["seconds"] = time.time() - t0
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    md = os.path.splitext(args.out)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(markdown(result))
+    print("\n" + markdown(result))
+    print(f"wrote {args.out} and {md} ({result['seconds']:.0f} s); paste the .md into an issue", flush=True)
+    failed = [r["config"] for r in result.get("training", []) + result.get("attention", []) if "error" in r]
+    return 1 if failed or result.get("tests", {}).get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
