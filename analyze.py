@@ -688,7 +688,9 @@ def plot_selection(run, stats, path, layer, history=None):
             l = layer % len(stats["layers"])
             s = stats["layers"][l] or layers[-1][1]
             l = l if stats["layers"][l] is not None else layers[-1][0]
-            ax.imshow(s["map"], aspect="auto", cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+            im = ax.imshow(s["map"], aspect="auto", cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+            if unit == "blocks":
+                fig.colorbar(im, ax=ax, fraction=0.05)
             what = "key" if unit == "tokens" else f"block of {stats['block']}"
             heads = "" if unit == "tokens" else "\n(share of heads)"
             ax.set(xlabel=what, ylabel="query", title=f"layer {l}, first sequence: selected {what}s{heads}")
