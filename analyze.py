@@ -21,7 +21,12 @@ reaches it).
 Loss by position (positions.png) is drawn from each run's eval.json (evaluate.py, which
 train.py runs at the end of a run); runs without one are left out of that figure.
 
-Gates by token category and attention maps need the checkpoint and some text: --text (a
+nsa, moba and indexer runs get one figure each of what they selected (`selection_stats`):
+how far back the selected blocks or keys lie, by layer, and a selection map; nsa's three
+branch gates by layer x head and by position; the indexer's kept mass (the share of the
+dense attention's mass on the selected keys) and KL over training, from log.jsonl.
+
+Gates by token category, attention maps and selections need the checkpoint and some text: --text (a
 .txt or .jsonl file), else the run's validation shard (train_config's data_dir); without
 either these figures are skipped with a note in summary.md.
 """
@@ -60,6 +65,10 @@ def variant_flags(m):
         "asga": ("asga_gate", "asga_scale") + {"learned": ("asga_hidden",), "fixed": ("window",)}.get(
             m.get("asga_gate"), ()),
         "caa": ("caa_gate", "caa_topk", "window", "caa_window_max", "caa_tau", "caa_hidden"),
+        "nsa": ("nsa_cmp_block", "nsa_cmp_stride", "nsa_block", "nsa_topk", "nsa_window", "nsa_compress",
+                "nsa_branches", "nsa_kv"),
+        "moba": ("moba_block", "moba_topk", "moba_full_last"),
+        "indexer": ("index_topk", "index_heads", "index_head_dim") + (("window",) if not m.get("index_topk") else ()),
     }.get(m.get("attn"), ())
 
 
@@ -539,10 +548,12 @@ def plot_attention(maps, pieces, path):
     plt.close(fig)
 
 
-def checkpoint_figures(runs, args, out, figures, notes):
-    """Gate by token category (per run) and attention maps (all runs, one figure), from the
-    checkpoints, on one text for all runs: --text, else the first readable validation shard.
-    Appends to figures and notes; returns {run: gate_by_category(...)}."""
+def checkpoint_figures(runs, args, out, figures, notes, selections=None):
+    """Gate by token category (per run), attention maps (all runs, one figure) and, for nsa,
+    moba and indexer runs, what they selected (one figure each; their `selection_stats` go
+    into `selections`), from the checkpoints, on one text for all runs: --text, else the
+    first readable validation shard. Appends to figures and notes; returns {run:
+    gate_by_category(...)}."""
     from model import CheckpointError, load_checkpoint
 
     models = {}
@@ -582,11 +593,202 @@ def checkpoint_figures(runs, args, out, figures, notes):
         w = attention_weights(model.layers[layer].self_attn, seen["q"], seen["k"], seen["x"],
                               seen["q_start"], seen["k_start"])  # (1, H, T, T)
         maps.append((f"{_title(run)}\nlayer {layer}, head {head}", w[0, head].numpy()))
+        if model.cfg.attn in SELECTING and selections is not None:
+            stats = selections[run["name"]] = selection_stats(model, idx)
+            history = indexer_history(run) if model.cfg.attn == "indexer" else None
+            plot_selection(run, stats, out / f"selection_{run['name']}.png", layer, history)
+            figures.append((f"selection_{run['name']}.png", f"{run['name']}: what {model.cfg.attn} selected ({source})"))
     if maps:
         pieces = [decode(t) for t in passage.tolist()]
         plot_attention(maps, pieces, out / "attention.png")
         figures.append(("attention.png", f"attention weights on the first {len(pieces)} tokens of {source}"))
     return by_category
+
+
+# ----------------------------------------------------------------------------- what nsa, moba and indexer selected
+
+SELECTING = ("nsa", "moba", "indexer")  # the variants whose modules record a `selection`
+
+
+def selection_block(cfg):
+    """Positions per selected unit: nsa_block or moba_block; 1 for the indexer (it selects keys)."""
+    return {"nsa": cfg.nsa_block, "moba": cfg.moba_block}.get(cfg.attn, 1)
+
+
+def selection_distances(selection, block):
+    """How far back each selected unit lies from its query, -1 for an empty slot. selection
+    (.., T, n): absolute block numbers (nsa, moba; block > 1) or key positions (indexer;
+    block 1) of queries at positions 0 .. T - 1 (a forward without cache). Blocks back from
+    the query's own block (0 = its own), or tokens back (0 = the query itself)."""
+    T = selection.shape[-2]
+    own = torch.arange(T, device=selection.device)[:, None] // block  # (T, 1)
+    return torch.where(selection >= 0, own - selection, -1)
+
+
+@torch.no_grad()
+def selection_stats(model, idx):
+    """What each layer of an nsa, moba or indexer model selected on idx (N, T), read from the
+    selection its attention modules record (nsa, moba: (N, H, T, n) block numbers, one list
+    per query head; indexer: (N, T, n) key positions shared by the heads; -1 = empty slot).
+    {'attn', 'unit' ('blocks' | 'tokens'), 'block', 'slots' (n), 'layers': [per layer, None
+    for a layer of full attention (moba_full_last)]}, each layer:
+      counts[d]  selected units at distance d (`selection_distances`), summed over sequences,
+                 queries, heads and slots, empty slots left out
+      mean       their mean distance;  own: the share at distance 0
+      recent     the share within the n most recent units (distance < n): what a window of
+                 the same budget would have read
+      map        (T, J) numpy: the share of heads that selected unit j for query t, first sequence
+      gates      nsa only: {branch: {'by_head': [H] mean over sequences and positions,
+                 'by_position': [T] mean over sequences and heads}} of g_cmp, g_slc, g_win."""
+    cfg = model.cfg
+    block = selection_block(cfg)
+    model.record_gates(True)
+    try:
+        model(idx)
+        layers, slots = [], 0
+        for layer in model.layers:
+            attn = layer.self_attn
+            selection = getattr(attn, "selection", None)
+            if selection is None:
+                layers.append(None)
+                continue
+            slots = selection.shape[-1]
+            dist = selection_distances(selection, block)
+            picked = dist[dist >= 0]
+            counts = torch.bincount(picked).tolist()
+            per_head = selection if selection.dim() == 4 else selection[:, None]  # (N, H or 1, T, n)
+            T = per_head.shape[2]
+            J = -(-T // block)
+            slot = torch.where(per_head[0] < 0, J, per_head[0])  # -1 -> a spare column, dropped
+            chosen = torch.zeros(per_head.shape[1], T, J + 1).scatter_(-1, slot, 1.0)[..., :J]  # (H, T, J)
+            entry = {"counts": counts, "mean": picked.float().mean().item(), "own": counts[0] / len(picked),
+                     "recent": (picked < slots).float().mean().item(), "map": chosen.mean(0).numpy()}
+            if cfg.attn == "nsa":
+                entry["gates"] = {name: {"by_head": attn.gates[f"gate_{name}"].float().mean((0, 1)).tolist(),
+                                         "by_position": attn.gates[f"gate_{name}"].float().mean((0, 2)).tolist()}
+                                  for name in attn.BRANCHES}
+            layers.append(entry)
+    finally:
+        model.record_gates(False)
+    return {"attn": cfg.attn, "unit": "tokens" if block == 1 else "blocks", "block": block, "slots": slots,
+            "layers": layers}
+
+
+def indexer_history(run):
+    """The indexer over training, from log.jsonl: {'kl': (steps, [KL summed over layers],
+    [stage]) of every step that logged one, 'kept': (eval steps, (E, L) array) the share of
+    the dense attention's mass on the selected keys, mean over the evaluation batch, per
+    layer (logged only by evaluations in the sparse stage)}."""
+    kl = [(r["step"], r["indexer_kl"], r.get("indexer_stage", "?")) for r in run["steps"]
+          if isinstance(r.get("indexer_kl"), (int, float))]
+    out = {"kl": tuple(map(list, zip(*kl))) if kl else ([], [], [])}
+    kept = gate_history(run).get("kept_mass")
+    out["kept"] = (kept[0], kept[1][..., 0]) if kept else ([], np.zeros((0, 0)))
+    return out
+
+
+def plot_selection(run, stats, path, layer, history=None):
+    """One figure of what the variant selected: the distance histogram by layer, the selection
+    map of `layer`; nsa: its branch gates by layer x head and by position; indexer: the kept
+    mass and KL over training (history, from `indexer_history`)."""
+    plt = _plt()
+    attn, unit = stats["attn"], stats["unit"]
+    layers = [(l, s) for l, s in enumerate(stats["layers"]) if s is not None]
+    panels = ["distance", "map"] + (["gate_head", "gate_position"] if attn == "nsa" else []) + (
+        ["training"] if attn == "indexer" and history and (history["kl"][0] or len(history["kept"][0])) else [])
+    cols = 2 if len(panels) == 4 else len(panels)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, panel in zip(axes.flat, panels):
+        if panel == "distance":
+            for l, s in layers:
+                counts = np.asarray(s["counts"], dtype=np.float64)
+                share = counts / counts.sum()
+                if unit == "tokens":  # keys: the cumulative share, on a log axis of distances
+                    ax.step(np.arange(len(share)) + 1, np.cumsum(share), where="post", color=f"C{l % 10}",
+                            label=f"layer {l} (mean {s['mean']:.1f})")
+                else:
+                    ax.plot(np.arange(len(share)), share, "o-", ms=3, color=f"C{l % 10}",
+                            label=f"layer {l} (mean {s['mean']:.2f})")
+            if unit == "tokens":
+                ax.set_xscale("log")
+                ax.axvline(stats["slots"], color="k", ls=":", lw=1, label=f"{stats['slots']} most recent")
+                ax.set(xlabel="tokens back + 1", ylabel="share of selected keys within",
+                       title="how far back the selected keys lie")
+            else:
+                ax.set(xlabel=f"blocks back (0 = own block of {stats['block']})", ylabel="share of selected blocks",
+                       title="how far back the selected blocks lie")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+        elif panel == "map":
+            l = layer % len(stats["layers"])
+            s = stats["layers"][l] or layers[-1][1]
+            l = l if stats["layers"][l] is not None else layers[-1][0]
+            im = ax.imshow(s["map"], aspect="auto", cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+            if unit == "blocks":
+                fig.colorbar(im, ax=ax, fraction=0.05)
+            what = "key" if unit == "tokens" else f"block of {stats['block']}"
+            heads = "" if unit == "tokens" else "\n(share of heads)"
+            ax.set(xlabel=what, ylabel="query", title=f"layer {l}, first sequence: selected {what}s{heads}")
+        elif panel == "gate_head":
+            g = np.array([[s["gates"][b]["by_head"] for b in ("cmp", "slc", "win")] for _, s in layers])  # (L, 3, H)
+            L, _, H = g.shape
+            im = ax.imshow(g.transpose(0, 2, 1).reshape(L * H, 3), aspect="auto", cmap="viridis",
+                           vmin=0, vmax=1, interpolation="nearest")
+            ax.set_xticks(range(3), ["cmp", "slc", "win"])
+            ax.set_yticks(range(L * H), [f"L{l}.H{h}" for l, _ in layers for h in range(H)], fontsize=max(3, 7 - L * H // 16))
+            ax.set_title("branch gate by layer and head (mean over tokens)")
+            fig.colorbar(im, ax=ax, fraction=0.05)
+        elif panel == "gate_position":
+            for b, style in zip(("cmp", "slc", "win"), ("-", "--", ":")):
+                for l, s in layers:
+                    ax.plot(s["gates"][b]["by_position"], style, color=f"C{l % 10}", lw=1,
+                            label=f"{b}, layer {l}")
+            ax.set(xlabel="position", ylabel="gate (mean over heads)", title="branch gates by position", ylim=(0, 1))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=5, ncol=3)
+        elif panel == "training":
+            steps, kept = history["kept"]
+            for l in range(kept.shape[1] if len(steps) else 0):
+                ax.plot(steps, kept[:, l], "o-", ms=3, color=f"C{l % 10}", label=f"kept mass, layer {l}")
+            ax.set(xlabel="step", ylabel="dense attention mass on the selected keys", ylim=(0, 1.02),
+                   title="indexer over training")
+            ax.grid(alpha=0.3)
+            if history["kl"][0]:
+                twin = ax.twinx()
+                kl_steps, kl, stage = history["kl"]
+                twin.plot(kl_steps, kl, color="0.4", lw=0.8, label="KL (sum over layers)")
+                dense = [s for s, st in zip(kl_steps, stage) if st == "dense"]
+                if dense:
+                    ax.axvspan(min(dense), max(dense), color="0.85", zorder=0, label="dense warm-up")
+                twin.set_ylabel("indexer KL")
+                twin.legend(fontsize=6, loc="lower right")
+            ax.legend(fontsize=6, loc="lower left")
+    fig.suptitle(_title(run), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def selection_markdown(name, stats):
+    """summary.md's table of one run's selection statistics (`selection_stats`)."""
+    unit = stats["unit"]
+    gates = stats["attn"] == "nsa"
+    head = f"| layer | mean {unit} back | share at 0 | share within the {stats['slots']} most recent |"
+    lines = [f"## {name}: what {stats['attn']} selected", "",
+             head + (" gate cmp | gate slc | gate win |" if gates else ""),
+             "|---|---|---|---|" + ("---|---|---|" if gates else "")]
+    for l, s in enumerate(stats["layers"]):
+        if s is None:
+            lines.append(f"| {l} | full attention | | |" + (" | | |" if gates else ""))
+            continue
+        row = f"| {l} | {s['mean']:.2f} | {s['own']:.3f} | {s['recent']:.3f} |"
+        if gates:
+            row += "".join(f" {np.mean(s['gates'][b]['by_head']):.3f} |" for b in ("cmp", "slc", "win"))
+        lines.append(row)
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------- main
@@ -623,8 +825,11 @@ def analyze(runs, args):
             if plot_variant_dynamics(run, history, out / f"dynamics_{run['name']}.png"):
                 figures.append((f"dynamics_{run['name']}.png", f"{run['name']}: {run['model']['attn']} gate dynamics"))
 
-    by_category = checkpoint_figures(runs, args, out, figures, notes)
+    selections = {}
+    by_category = checkpoint_figures(runs, args, out, figures, notes, selections)
     summary = {**table, "figures": [f for f, _ in figures], "gate_by_category": by_category,
+               "selection": {name: {**s, "layers": [None if l is None else {k: v for k, v in l.items() if k != "map"}
+                                                    for l in s["layers"]]} for name, s in selections.items()},
                "notes": notes}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     md = ["# Runs", "", table_markdown(table), "",
@@ -641,6 +846,8 @@ def analyze(runs, args):
             for l in range(len(per_cat[CATEGORIES[0]])):
                 md.append(f"| {gate} | {l} | " + " | ".join(_fmt(per_cat[c][l], ".3f") for c in CATEGORIES) + " |")
         md += ["", "tokens per category: " + ", ".join(f"{c} {n}" for c, n in by_cat["count"].items()), ""]
+    for name, stats in selections.items():
+        md += selection_markdown(name, stats)
     md += ["## Figures", ""] + [f"![{caption}]({f})\n\n{caption}\n" for f, caption in figures]
     if notes:
         md += ["## Notes", ""] + [f"- {n}" for n in notes]

@@ -800,6 +800,7 @@ class NativeSparseAttention(CausalSelfAttention):
     """
 
     BRANCHES = ("cmp", "slc", "win")
+    SCORES = 1 << 22  # elements of one chunk's (B, H, chunk, C) compressed-branch scores
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -857,6 +858,28 @@ class NativeSparseAttention(CausalSelfAttention):
             pooled = pooled + self.compress_mlp[which](flat).to(pooled.dtype)
         return pooled
 
+    def compressed_branch(self, q, k_cmp, v_cmp, q_start, S):
+        """The compressed branch's output (B, H, T, D) and the blocks each query selects by its
+        probabilities (B, H, T, n), a chunk of queries at a time (`SCORES` elements), each
+        chunk's attention checkpointed when it needs a gradient: C ~ T / stride compressed
+        keys per query would otherwise keep (T, C) per head, memory quadratic in T."""
+        cfg = self.cfg
+        k_cmp, v_cmp = self.compress(k_cmp, "k"), self.compress(v_cmp, "v")  # (B, Hkv, C, D)
+        B, H, T, _ = q.shape
+        rows = max(1, self.SCORES // (B * H * max(1, k_cmp.shape[2])))
+
+        def chunk(q_chunk, start):
+            return compressed_attention(q_chunk, k_cmp, v_cmp, self.scale, start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
+        run = chunk
+        if rows < T and torch.is_grad_enabled():
+            run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
+        outs, blocks = [], []
+        for t0 in range(0, T, rows):
+            o_cmp, p_cmp = run(q[:, :, t0:t0 + rows], q_start + t0)
+            outs.append(o_cmp)
+            blocks.append(self.select(p_cmp, q_start + t0, o_cmp.shape[2], S))
+        return torch.cat(outs, 2), torch.cat(blocks, 2)
+
     def select(self, p_cmp, q_start, T, S):
         """(B, H, T, n) the blocks of nsa_block positions each query reads ([NSA] eqs. 8-12)."""
         cfg = self.cfg
@@ -879,9 +902,7 @@ class NativeSparseAttention(CausalSelfAttention):
         B, H, T, _ = q.shape
         k_cmp, v_cmp = self.branch_keys["cmp"] if self.branch_keys else (k, v)
         k_win, v_win = self.branch_keys["win"] if self.branch_keys else (k, v)
-        o_cmp, p_cmp = compressed_attention(q, self.compress(k_cmp, "k"), self.compress(v_cmp, "v"),
-                                            self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
-        blocks = self.select(p_cmp, q_start, T, k.shape[2])  # (B, H, T, n)
+        o_cmp, blocks = self.compressed_branch(q, k_cmp, v_cmp, q_start, k.shape[2])  # (B, H, T, D), (B, H, T, n)
         out = {"cmp": o_cmp}
         if "slc" in self.branches:
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)

@@ -13,12 +13,18 @@ benchmarks/combiner_cpu.json holds `combiner` rows measured the same way (forked
 VmHWM, 1 thread) before this benchmark took the variant: paths 'reference', 'fused', 'sdpa',
 T = 1024 .. 16384 (fused memory 67, 201, 263, 316, 573 MB; the reference past 6 GiB from 8192).
 
+nsa, moba and indexer ([NSA], [MoBA], [DS32]): fused memory <= 2.3x per doubling of T from
+2048 to 16384 and, at T=8192, faster than causal SDPA (as `local` is). The indexer's step
+includes the backward of its KL loss (part of its training step). Memory is measured with
+glibc's heap trimmed (`keep_rss_honest`); rows measured before that are in the older JSON files.
+
 On CUDA: the fused path (kernel='fused': FlexAttention + SDPA, compiled) against flash SDPA
 causal at T in 1024 .. 16384, bf16 autocast as in training, peak memory from
 torch.cuda.max_memory_allocated, and the GPU goal ratios at T=4096 (local and dsa <= 1.0x,
 caa <= 2x, asga <= 3x the time of flash SDPA causal). Goals until a GPU measures them.
 """
 import argparse
+import ctypes
 import dataclasses
 import json
 import multiprocessing
@@ -34,12 +40,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 BENCH = dict(B=1, H=8, D=64, d_model=512, window=256)
-VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa", "combiner")
+VARIANT_NAMES = ("full", "local", "dsa", "asga", "caa", "combiner", "nsa", "moba", "indexer")
 # The reference's peak memory in units of one fp32 (B, H, T, T) score matrix, plus asga's
 # (B, H, T, T, r) pair tensors: measured with this benchmark at T = 1024 and 2048 (3.3 for
 # full/local/dsa, 8.8 for caa, 3.1 pair tensors for asga; 3.3 (T, T + T/s) for combiner) and rounded up. Used only to skip a
 # reference that cannot fit in the memory budget; the row then says OOM, with the prediction.
-REF_SCORES = dict(full=4, local=4, dsa=4.5, asga=4, caa=10, combiner=5)
+REF_SCORES = dict(full=4, local=4, dsa=4.5, asga=4, caa=10, combiner=5,
+                  nsa=8, moba=6, indexer=8)  # not measured: the (T, S, n) block comparisons, rounded up
 REF_PAIRS = dict(asga=3.5)
 GPU_GOALS = dict(local=1.0, dsa=1.0, caa=2.0, asga=3.0)  # fused / flash SDPA time at T=4096
 
@@ -71,16 +78,34 @@ def _rss_kb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
-    """Runs in a freshly forked process. Time: forward + backward, the median of the runs
-    after the first. Memory: the peak resident set (VmHWM, reset through /proc/self/clear_refs
-    once the inputs exist) minus the resident set at that moment: everything the forward and
-    backward held at once (saved tensors, transients, gradients), as the OS saw it. A run at
-    T = 256 first pages in the code and thread pools, which would otherwise count."""
+def keep_rss_honest():
+    """glibc: serve allocations above 64 KB from mmap and trim the heap above 64 KB, so that
+    freed tensors leave the resident set. Without it the heap kept freed pages and the peak
+    resident set measured allocation history, not the step: the same moba case (T=1024)
+    measured 35 MB and 908 MB in two runs. No-op off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 16)
+
+
+def _measure(variant, T, path, threads, budget_s, limit_bytes, conn, memory=False):
+    """Runs in a freshly forked process. Time (memory=False): forward + backward, the median
+    of the runs after the first. Memory (memory=True, a second process): one step with
+    glibc's heap trimmed (`keep_rss_honest`, which slows allocation, hence not while timing),
+    the peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs exist)
+    minus the resident set at that moment: everything the forward and backward held at once
+    (saved tensors, transients, gradients), as the OS saw it. A run at T = 256 first pages in
+    the code and thread pools, which would otherwise count."""
     try:
         from attention import VARIANTS
         from model import ModelConfig
 
+        if memory:
+            keep_rss_honest()
         torch.set_num_threads(threads)
         if limit_bytes:  # allocations past the budget raise (reported as OOM), not the OOM killer
             with open("/proc/self/statm") as f:
@@ -105,7 +130,12 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
 
             def step():
                 t = time.perf_counter()
-                fn().backward(cotangent)
+                y = fn()
+                # the indexer's KL (computed in a training-mode forward) is part of its training
+                # step: its backward is timed too
+                extra = getattr(module, "indexer_loss", None) if path != "sdpa" else None
+                torch.autograd.backward([y] + ([extra] if extra is not None else []),
+                                        [cotangent] + ([torch.ones(())] if extra is not None else []))
                 for tensor in (q, k, v, x, *module.parameters()):
                     tensor.grad = None
                 return time.perf_counter() - t
@@ -116,6 +146,10 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident set to the current one
         base = _rss_kb("VmRSS:")
+        if memory:
+            step()
+            conn.send(dict(peak_mb=(_rss_kb("VmHWM:") - base) / 1024))
+            return
         warmup, runs = step(), []
         while len(runs) < 5 and not (runs and sum(runs) > budget_s and (len(runs) >= 2 or runs[0] > budget_s / 2)):
             runs.append(step())
@@ -130,8 +164,8 @@ def _measure(variant, T, path, threads, budget_s, limit_bytes, conn):
 def benchmark(lengths, variants, threads, budget_s, max_bytes, paths=("ref", "fused", "sdpa")):
     """[row]: one per (variant, T, path): the attention core alone (the module's `attend` with
     kernel='ref' or 'fused', or causal SDPA on the same q, k, v), forward + backward with a random
-    cotangent, module parameters random. Each row is measured alone in a forked child process
-    (see `_measure`), the three paths of a (variant, T) one after the other so that they
+    cotangent, module parameters random. Each row is measured alone in two forked child
+    processes, one for time and one for memory (see `_measure`), the three paths of a (variant, T) one after the other so that they
     share the machine's load. A reference predicted past max_bytes is not run: its row says
     oom, with the prediction; one that fails to allocate says oom too.
 
@@ -149,16 +183,23 @@ def benchmark(lengths, variants, threads, budget_s, max_bytes, paths=("ref", "fu
                                error=f"predicted {predicted_ref_bytes(variant, T) / 2**30:.0f} GiB "
                                      f"> {max_bytes / 2**30:.0f} GiB budget")
                 else:
-                    recv, send = ctx.Pipe(duplex=False)
-                    child = ctx.Process(target=_measure, args=(variant, T, path, threads, budget_s,
-                                                               max_bytes, send))
-                    child.start()
-                    child.join()
-                    result = recv.recv() if recv.poll() else dict(
-                        oom=child.exitcode == -9, error=f"child exited with {child.exitcode}")
-                    row.update(dict(ms=None, peak_mb=None), **result)
+                    def child_result(memory):
+                        recv, send = ctx.Pipe(duplex=False)
+                        child = ctx.Process(target=_measure, args=(variant, T, path, threads, budget_s,
+                                                                   max_bytes, send, memory))
+                        child.start()
+                        child.join()
+                        return recv.recv() if recv.poll() else dict(
+                            oom=child.exitcode == -9, error=f"child exited with {child.exitcode}")
+
+                    timed = child_result(memory=False)
+                    # the timing process's own peak (heap not trimmed): kept, not the memory figure
+                    timed["untrimmed_peak_mb"] = timed.pop("peak_mb", None)
+                    row.update(dict(ms=None, peak_mb=None), **timed)
+                    if "error" not in timed:
+                        row.update(child_result(memory=True))
                 rows.append(row)
-                shown = "OOM" if row.get("oom") else f"{row['ms']:9.1f} ms {row['peak_mb']:8.1f} MB"
+                shown = "OOM" if row.get("oom") else row.get("error") or f"{row['ms']:9.1f} ms {row['peak_mb']:8.1f} MB"
                 print(f"  {variant} T={T} {path} {shown}", flush=True)
     return rows
 
@@ -211,6 +252,12 @@ def targets(rows):
     for T in (8192, 16384):  # T (s + T/s): nearly linear while T/s < s = 256
         check(f"combiner fused memory {T}/{T // 2} (<= 2.3)",
               ratio(mem, ("combiner", T, "fused"), ("combiner", T // 2, "fused")), lambda x: x <= 2.3)
+    for variant in ("nsa", "moba", "indexer"):  # the dynamic sparse baselines ([NSA], [MoBA], [DS32])
+        for T in (4096, 8192, 16384):
+            check(f"{variant} fused memory {T}/{T // 2} (<= 2.3)",
+                  ratio(mem, (variant, T, "fused"), (variant, T // 2, "fused")), lambda x: x <= 2.3)
+        check(f"{variant} T=8192 SDPA/fused time (> 1)", ratio(get, (variant, 8192, "sdpa"), (variant, 8192, "fused")),
+              lambda x: x > 1)
     check("asga T=8192 fused runs, seconds", None if get.get(("asga", 8192, "fused")) is None
           else get[("asga", 8192, "fused")] / 1e3, lambda x: True)
     return checks

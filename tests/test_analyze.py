@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import analyze
+import attention
 from conftest import ENGLISH, ROOT, requires_gpt2
 from model import Model, ModelConfig
 
@@ -272,3 +273,143 @@ def test_gate_by_category_averages_each_category():
             expected = g[members].mean().item() if members else None
             assert by_cat["head_gate"][category][layer] == pytest.approx(expected)
     assert len({round(by_cat["head_gate"][c][0], 4) for c in analyze.CATEGORIES if by_cat["count"][c]}) > 1
+
+
+# ----------------------------------------------------------------------------- nsa, moba, indexer: what they selected
+
+SELECTING = {"nsa": dict(nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=4, nsa_topk=4, nsa_window=3),
+             "moba": dict(moba_block=4, moba_topk=3, moba_full_last=1),
+             "indexer": dict(index_topk=5, index_head_dim=16)}
+
+
+def selecting_model(attn):
+    cfg = ModelConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=8, d_model=32, mlp_hidden=64,
+                      attn=attn, kernel="ref", **SELECTING[attn])
+    torch.manual_seed(0)
+    model = Model(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # off the neutral init: gates and scores that vary by token
+            p.normal_(0, 0.4)
+    return model
+
+
+def brute_selection(model, idx, layer):
+    """Each query's selection recomputed from the module's public functions on the inputs its
+    `attend` saw: {(n, head, t): [blocks or keys]} (indexer: head None, the heads share it)."""
+    attn = model.layers[layer].self_attn
+    seen = analyze.capture_attend_inputs(model, idx, layer)
+    q, k, v, x = seen["q"], seen["k"], seen["v"], seen["x"]
+    N, H, T, _ = q.shape
+    out = {}
+    if model.cfg.attn == "indexer":
+        scores = attn.index_scores(x, 0, 0)  # (N, T, S)
+        for n in range(N):
+            for t in range(T):
+                ranked = sorted(range(t + 1), key=lambda s: (scores[n, t, s].item(), s), reverse=True)
+                out[n, None, t] = ranked[:attn.topk]  # ties to the most recent key
+        return out
+    if model.cfg.attn == "nsa":
+        cfg = model.cfg
+        _, p_cmp = attention.compressed_attention(q, attn.compress(k, "k"), attn.compress(v, "v"), attn.scale, 0,
+                                                  cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
+        blocks = attn.select(p_cmp, 0, T, T)
+    else:
+        blocks = attn.select(q, k, 0, 0)
+    for n in range(N):
+        for h in range(H):
+            for t in range(T):
+                out[n, h, t] = [b for b in blocks[n, h, t].tolist() if b >= 0]
+    return out
+
+
+@pytest.mark.parametrize("attn", SELECTING)
+def test_selection_stats_equal_a_brute_force_count(attn):
+    model = selecting_model(attn)
+    idx = torch.randint(0, 64, (2, 30))  # 30: not a multiple of the block
+    stats = analyze.selection_stats(model, idx)
+    block = 1 if attn == "indexer" else SELECTING[attn][f"{attn}_block"]
+    assert stats["unit"] == ("tokens" if attn == "indexer" else "blocks") and stats["block"] == block
+    for layer, s in enumerate(stats["layers"]):
+        if attn == "moba" and layer == 1:  # moba_full_last=1: full attention, nothing selected
+            assert s is None
+            continue
+        chosen = brute_selection(model, idx, layer)
+        distances = [t // block - u for (n, h, t), units in chosen.items() for u in units]
+        counts = [distances.count(d) for d in range(max(distances) + 1)]
+        assert s["counts"] == counts
+        assert s["mean"] == pytest.approx(sum(distances) / len(distances))
+        assert s["own"] == pytest.approx(counts[0] / len(distances))
+        slots = stats["slots"]
+        assert s["recent"] == pytest.approx(sum(d < slots for d in distances) / len(distances))
+        heads = [h for (n, h, t) in chosen if n == 0 and t == 0]
+        for t in range(30):
+            for u in range(s["map"].shape[1]):
+                share = sum(u in chosen[0, h, t] for h in heads) / len(heads)
+                assert s["map"][t, u] == pytest.approx(share)
+        assert max(distances) > 1  # the test sees selections beyond the own and previous unit
+        if attn == "nsa":
+            x = analyze.capture_attend_inputs(model, idx, layer)["x"]
+            g = torch.sigmoid(model.layers[layer].self_attn.branch_gate(x)).view(2, 30, 3, 4)
+            for i, name in enumerate(("cmp", "slc", "win")):
+                by_head = [g[:, :, i, h].mean().item() for h in range(4)]
+                by_position = [g[:, t, i, :].mean().item() for t in range(30)]
+                assert s["gates"][name]["by_head"] == pytest.approx(by_head, abs=1e-6)
+                assert s["gates"][name]["by_position"] == pytest.approx(by_position, abs=1e-6)
+
+
+def test_indexer_history_is_the_logs(tmp_path):
+    path = make_run(tmp_path / "indexer", "indexer", [(0, 6.0), (2, 5.0), (4, 4.5)])
+    lines = (path / "log.jsonl").read_text().splitlines()
+    kept = {2: [[0.8], [0.6]], 4: [[0.9], [0.7]]}
+    records = []
+    for line in lines:
+        r = json.loads(line)
+        if "event" not in r and r["step"]:
+            r.update(indexer_kl=1.0 / r["step"], indexer_stage="dense" if r["step"] <= 2 else "sparse")
+        if r.get("step") in kept and "val" in r:
+            r["gates"] = {"kept_mass": {"mean": kept[r["step"]], "std": [[0], [0]], "frac_gt_half": [[1], [1]]}}
+        records.append(json.dumps(r))
+    (path / "log.jsonl").write_text("\n".join(records) + "\n")
+    history = analyze.indexer_history(analyze.load_run(path))
+    steps, kl, stage = history["kl"]
+    assert steps == [1, 2, 3, 4] and kl == [1.0, 0.5, 1 / 3, 0.25] and stage == ["dense", "dense", "sparse", "sparse"]
+    kept_steps, kept_mass = history["kept"]
+    assert kept_steps == [2, 4] and kept_mass.tolist() == [[0.8, 0.6], [0.9, 0.7]]
+
+
+def test_real_selecting_runs_give_their_figures(trained, capsys):
+    """Tiny real train.py runs of nsa, moba and indexer; `python analyze.py` on them draws what
+    each selected, and the indexer's figure and table come from its checkpoint and log."""
+    import train
+
+    flags = {"nsa": ["--attn=nsa", "--nsa_cmp_block=4", "--nsa_cmp_stride=2", "--nsa_block=4", "--nsa_topk=4",
+                     "--nsa_window=4"],
+             "moba": ["--attn=moba", "--moba_block=4", "--moba_topk=3"],
+             "indexer": ["--attn=indexer", "--index_topk=6", "--indexer_warmup=2"]}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for name, args in flags.items():
+            train.main([*TRAIN, *args, f"--data_dir={trained / 'shards'}", f"--out_dir={trained / 'out' / name}"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    out = trained / "analysis_selecting"
+    analyze.main([*(str(trained / "out" / name) for name in flags), f"--out_dir={out}"])
+    summary = json.loads((out / "summary.json").read_text())
+    import matplotlib.image
+
+    for name in flags:
+        assert f"selection_{name}.png" in summary["figures"], summary["notes"]
+        pixels = matplotlib.image.imread(out / f"selection_{name}.png")
+        assert pixels.shape[0] > 100 and pixels.std() > 0.05
+    selection = summary["selection"]
+    assert selection["nsa"]["unit"] == "blocks" and selection["indexer"]["unit"] == "tokens"
+    assert all(len(s["layers"]) == 2 and "map" not in s["layers"][0] for s in selection.values())
+    assert set(selection["nsa"]["layers"][0]["gates"]) == {"cmp", "slc", "win"}
+    # the indexer's selection on the validation text: every query selects min(6, t + 1) keys
+    n_tokens = sum(selection["indexer"]["layers"][0]["counts"])
+    assert n_tokens % sum(min(6, t + 1) for t in range(32)) == 0
+    log = read_log(trained / "out" / "indexer")
+    assert [r["indexer_stage"] for r in log if "indexer_stage" in r] == ["dense"] * 2 + ["sparse"] * 4
+    table = (out / "summary.md").read_text()
+    assert "## indexer: what indexer selected" in table and "## nsa: what nsa selected" in table

@@ -160,6 +160,21 @@ def test_nsa_equals_the_papers_loop(kernel):
     assert rel(out, expected) < 1e-5
 
 
+def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
+    """The compressed branch and the selection a few queries at a time (checkpointed):
+    outputs equal to the paper's loop, gradients equal to one chunk's."""
+    module = make("nsa")
+    q, k, v, x = (t.requires_grad_() for t in inputs(module, 45))
+    out = run(module, "fused", q, k, v, x)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, x))
+    monkeypatch.setattr(attention.NativeSparseAttention, "SCORES", 4 * 20 * 7)  # 7 queries a chunk
+    chunked = run(module, "fused", q, k, v, x)
+    with torch.no_grad():
+        assert rel(chunked, nsa_loop(module, q, k, v, x)) < 1e-5
+    for a, b in zip(torch.autograd.grad(chunked.square().sum(), (q, k, v, x)), grads):
+        assert rel(a, b) < 1e-5
+
+
 # ---------------------------------------------------------------------------- reductions, causality
 
 def test_moba_with_every_block_is_full_attention():
@@ -283,12 +298,7 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     cot = torch.randn(2, 4, T, 8, generator=g)
     ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
-    kernels_step = kernels.BLOCK_GATHER
-    kernels.BLOCK_GATHER = 2000  # several checkpointed chunks
-    try:
-        out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
-    finally:
-        kernels.BLOCK_GATHER = kernels_step
+    out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-4
