@@ -29,7 +29,10 @@ Calibration (the negative result that chose this layout): Zoology's own layout (
 listed first, then each key queried once at a random later place among filler tokens, so
 that at 2x the distances double) gives n supervised positions per sequence instead of about
 L/2 - n: `full` at n = 8, T = 128, 1000 steps reached only 0.30 at 1x (0.28 at 2x, 0.20 at 4x;
-5.6 min). The study's stream solves recall in the same budget (RESULTS.md's section).
+5.6 min). On the study's stream `full` at n = 8 is at 1.000 (every length) after the same 1000
+steps (val loss flat from step 250), at n = 32 only at 0.41 (val 2.88, still falling; the
+loss of perfect recall is about 2.33): 32 x 16 (key, value) tokens each need their key learnt
+into their embedding. Hence 2000 steps at n = 32 (STEPS).
 
 Size: TRAIN below, 2 layers of d_model 128 (the study's recall shape), T = 128. Windows are
 sized for T as the study sizes them for its recall runs (W = T/8, dsa's threshold and caa's
@@ -71,13 +74,15 @@ EVAL_SEED, EVAL_SEQS = 10_000, 256  # held-out sequences per length (seed + fact
 DATA_SEED = 0  # train shard; val shard DATA_SEED + 1
 VAL_SEQS = 64
 W = SEQ_LEN // 8
+# Steps per kv count: the budget at which `full` solves it (calibration in the docstring).
+STEPS = {4: 1000, 8: 1000, 16: 1000, 32: 2000}
 # train.py overrides of every grid run (vocab_size is set per n: grid_vocab).
 TRAIN = dict(model="tiny", tie_embeddings=False, n_layer=2, d_model=128, n_head=2, n_kv_head=2,
              head_dim=64, mlp_hidden=256, window=W, dsa_threshold=2 * W, caa_window_max=2 * W,
              nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=8, nsa_topk=4, nsa_window=W,
              moba_block=8, moba_topk=2, index_head_dim=16,
              seq_len=SEQ_LEN, batch_size=16, total_batch_tokens=2048, lr=3e-3, warmup_steps=30,
-             max_steps=1000, eval_every=250, val_tokens=4096, ckpt_every=250, eval_seqs=0,
+             eval_every=250, val_tokens=4096, ckpt_every=250, eval_seqs=0,
              kernel="fused")
 
 
@@ -99,7 +104,7 @@ def make_data(data_dir, n_pairs):
     run, each seen once) and val, whole sequences back to back."""
     data_dir = Path(data_dir)
     task = {"task": "recall_grid", "form": "onehop", "seq_len": SEQ_LEN, "n_pairs": n_pairs, "n_values": N_VALUES,
-            "seed": DATA_SEED, "train_seqs": TRAIN["max_steps"] * TRAIN["total_batch_tokens"] // SEQ_LEN + 1}
+            "seed": DATA_SEED, "train_seqs": STEPS[n_pairs] * TRAIN["total_batch_tokens"] // SEQ_LEN + 1}
     marker = data_dir / "recall_grid_task.json"
     if marker.exists() and json.loads(marker.read_text()) == task:
         return
@@ -136,7 +141,7 @@ def select(all_runs, only):
 def train_command(run, data_dir=DATA_DIR):
     """train.py's command line (a list) for one run, through experiments/paired.py."""
     return recall.train_command(run["attn"], 0, Path(data_dir) / f"kv{run['n_pairs']}", run["dir"],
-                                **TRAIN, vocab_size=grid_vocab(run["n_pairs"]))
+                                **TRAIN, max_steps=STEPS[run["n_pairs"]], vocab_size=grid_vocab(run["n_pairs"]))
 
 
 def score(model, n_pairs, n_seq=EVAL_SEQS, seed=EVAL_SEED, batch=32):
@@ -200,7 +205,8 @@ def section(results_dir, link):
     L = ["## Recall grid: train at one length, test at 1x, 2x, 4x", "",
          f"MQAR (`experiments/recall_grid.py`; its docstring defines the task): a stream of key-value "
          f"pairs over a map of n pairs, every recurring key a query (lag about 2n on average); trained at "
-         f"T = {SEQ_LEN} tokens for {TRAIN['max_steps']} steps of {TRAIN['total_batch_tokens']} tokens "
+         f"T = {SEQ_LEN} tokens for " + ", ".join(f"{s} steps at {n}" for n, s in STEPS.items())
+         + f" pairs, of {TRAIN['total_batch_tokens']} tokens each "
          f"(seed 0, paired initialisation), scored on {EVAL_SEQS} fresh sequences per length. At 2x and "
          f"4x the same n pairs are spread over {2 * SEQ_LEN} / {4 * SEQ_LEN} tokens: the same lags, at "
          f"positions beyond the trained ones (RoPE length generalisation); windows "
