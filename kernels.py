@@ -49,9 +49,10 @@ here and the loops write into float32 buffers):
 - top-k attention: `TopkAttention`. Per query block, dense scores pick each query's k_i
   keys; only the chosen indices and probabilities, (T, k_max) per head, are kept.
 - combiner attention: `combiner_blocks`. Direct logits (s, s) inside each aligned block of
-  s queries and span logits (s, R) against the R block summaries, one softmax: time and
-  memory O(T (s + R)), never (T, S). A chunk of blocks at a time, each recomputed in the
-  backward (memory O(T D) plus one chunk).
+  s queries and span logits (s, R) against the R block summaries, one softmax: one SDPA
+  call (flash on CPU, forward and backward) whose "heads" are the blocks, each over its
+  own keys and the summaries, with one (n, s, s + R) mask: time O(T (s + R)), memory
+  O(T (s + R)) bools for the mask plus O(T D), never (T, S).
 - block attention (nsa's selected branch, moba): `block_gather`. A chunk of queries at a
   time gathers the n blocks each query lists, (chunk, n * block) keys, one softmax; each
   chunk recomputed in the backward. Time O(T n block D), memory O(T D) plus one chunk.
@@ -289,6 +290,9 @@ class BandAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(qb), torch.zeros_like(kbuf), torch.zeros_like(vbuf)
         d_bias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
         work, work_p, work_dp = (qb.new_empty(band.chunk, Bq, L) for _ in range(3))
+        # each chunk's key gradients, (chunk, L, D), go in `work` once its scores are spent
+        # (D <= Bq), else in a buffer of their own
+        work_k = work if D <= Bq else qb.new_empty(band.chunk, L, D)
         for i0, i1 in band.chunks():
             i = slice(i0, i1)
             s = band.scores(work[:i1 - i0], qb[i], kbuf, i0, i1, bias)  # the forward's, again
@@ -296,11 +300,14 @@ class BandAttention(torch.autograd.Function):
             ds = torch.bmm(do[i], band.bands(vbuf, i0, i1).transpose(1, 2), out=work_dp[:i1 - i0])
             ds.sub_(delta[i]).mul_(p)  # d logits
             torch.bmm(ds, band.bands(kbuf, i0, i1), out=dq[i])
-            for m in range(band.n + 1):  # sub-block m of every band: Bq rows of the key buffer
-                rows = slice(band.row(i0) + m * Bq, band.row(i0) + (i1 - i0 + m) * Bq)
-                cols = slice(m * Bq, (m + 1) * Bq)
-                dv[rows].view(i1 - i0, Bq, D).baddbmm_(p[..., cols].transpose(1, 2), do[i])
-                dk[rows].view(i1 - i0, Bq, D).baddbmm_(ds[..., cols].transpose(1, 2), qb[i])
+            # One (L, Bq) x (Bq, D) matmul per band, then its n + 1 sub-blocks of Bq key rows
+            # added where the bands overlap: n + 1 small matmuls on strided slices of p and ds
+            # ran at a few GFLOP/s (issue 24's profile: baddbmm_ 40% of the band's time).
+            for grad, w, x in ((dv, p, do[i]), (dk, ds, qb[i])):
+                g = torch.bmm(w.transpose(1, 2), x, out=work_k.view(-1)[:(i1 - i0) * L * D].view(i1 - i0, L, D))
+                for m in range(band.n + 1):  # sub-block m of every band: Bq rows of the key buffer
+                    rows = slice(band.row(i0) + m * Bq, band.row(i0) + (i1 - i0 + m) * Bq)
+                    grad[rows].view(i1 - i0, Bq, D).add_(g[:, m * Bq:(m + 1) * Bq])
             if d_bias is not None:
                 d_bias.view(-1, Bq, L).index_add_(0, band.bias_rows(bias, i0, i1), ds)
         return band.unpad(dq), band.key_grad(dk), band.key_grad(dv), d_bias, None
@@ -541,6 +548,7 @@ class TopkAttention(torch.autograd.Function):
     keys on CPU. Saves only each query's chosen key indices and probabilities, (G, T, max k)."""
 
     SCORES = 1 << 22  # elements of one block's (G, Bq, K) scores: 16 MB
+    QUERY_BLOCK = 64
 
     @staticmethod
     def forward(ctx, q, k, v, k_per_query, k_max, off):
@@ -548,7 +556,10 @@ class TopkAttention(torch.autograd.Function):
         S = k.shape[1]
         o = torch.empty_like(q)
         chosen = []
-        block = max(16, TopkAttention.SCORES // (G * S))
+        # Query blocks of at most 64: block b's scores stop at its last query's key, so the
+        # causal triangle's upper half is not scored, top-k'ed, zeroed and multiplied (one
+        # block of all T rows did ~1.6x the work at T = 256), and a block's scores stay in cache.
+        block = min(TopkAttention.QUERY_BLOCK, max(16, TopkAttention.SCORES // (G * S)))
         work = q.new_empty(G * block * S)  # one buffer for every block: no heap fragments
         for t0 in range(0, T, block):
             t1 = min(T, t0 + block)
@@ -573,6 +584,8 @@ class TopkAttention(torch.autograd.Function):
         G, S = q.shape[0], k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         work, work_dp = q.new_empty(G * ctx.block * S), q.new_empty(G * ctx.block * S)
+        D = q.shape[-1]
+        work_kd = q.new_empty(G * S * D)  # one (G, K, D) key gradient at a time: as large as dk
         for b, (idx, p) in enumerate(ctx.chosen):
             t0 = b * ctx.block
             t1 = t0 + idx.shape[1]
@@ -580,19 +593,18 @@ class TopkAttention(torch.autograd.Function):
             qb, dob = q[:, t0:t1], do[:, t0:t1]
             shape = (G, t1 - t0, K)
             dense = work[:G * (t1 - t0) * K].view(shape).zero_().scatter_(-1, idx, p)
-            dv[:, :K].baddbmm_(dense.transpose(1, 2), dob)
+            # bmm into a contiguous buffer, then add: baddbmm_ into the slice dv[:, :K] ran as
+            # one addmm_ per row g (issue 24's profile: 384 calls, a fifth of the op's time)
+            dv[:, :K] += torch.bmm(dense.transpose(1, 2), dob, out=work_kd[:G * K * D].view(G, K, D))
             dp = torch.bmm(dob, v[:, :K].transpose(1, 2), out=work_dp[:dense.numel()].view(shape)).gather(-1, idx)
             dlogits = p * (dp - (dp * p).sum(-1, keepdim=True))  # softmax's backward
             dense.zero_().scatter_(-1, idx, dlogits)
             dq[:, t0:t1] = torch.bmm(dense, k[:, :K])
-            dk[:, :K].baddbmm_(dense.transpose(1, 2), qb)
+            dk[:, :K] += torch.bmm(dense.transpose(1, 2), qb, out=work_kd[:G * K * D].view(G, K, D))
         return dq, dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: combiner
-
-COMBINER_CHUNK = 1 << 22  # logits per chunk of blocks (16 MB in float32)
-
 
 def to_blocks(x_BhLD, block):
     """(B, h, L, D) -> (B, h, n, s, D): zero rows after the L rows, up to n whole blocks of s."""
@@ -607,42 +619,34 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
 
     q (B, H, L, D), k, v (B, Hkv, L, D) at the same positions, the first one the start of
     block `first_block`; kbar (B, Hkv, R, D), vbar (B, H, R, D) the summaries of blocks
-    0 .. R-1. Grouped heads share their key head through a (Hkv, g) split of the query heads,
-    no copy. Blocks go COMBINER_CHUNK logits at a time; with autograd on and more than one
-    chunk, each chunk keeps only its output and recomputes its probabilities in the backward
-    ([Flash]'s trade, through torch.utils.checkpoint): memory O(T D) plus one chunk, time
-    O(T (s + R))."""
+    0 .. R-1. What it fuses: each block of s queries is one "head" of a single SDPA call
+    (flash on CPU too: tiled, forward and backward, no (s, s + R) logits kept) over its own
+    s keys followed by the R summaries, with one (n, s, s + R) mask (causal inside the
+    block, summary r visible to block n when r < first_block + n). Why: the einsum, mask,
+    concatenation and softmax of each block done op by op spent more time copying than
+    multiplying (issue 24's profile: aten::copy_ 44% of a training step). The only copies
+    left are the summaries repeated once per block, (n, R, D), and GQA's key heads: memory
+    O(T D + n R D + T (s + R)) (the mask), time O(T (s + R) D). Without summaries (R = 0:
+    one block, as at train.py's CPU preset) it is SDPA's causal attention over each block."""
     B, H, L, D = q.shape
-    Hkv, R = k.shape[1], kbar.shape[2]
-    g = H // Hkv
-    qb = to_blocks(q * scale, block)  # (B, H, nb, s, D); padded rows are dropped at the end
+    R = kbar.shape[2]
+    qb = to_blocks(q, block)  # (B, H, nb, s, D); padded rows are dropped at the end
     nb = qb.shape[2]
-    qb = qb.view(B, Hkv, g, nb, block, D)
-    kb, vb = to_blocks(k, block), to_blocks(v, block)  # (B, Hkv, nb, s, D)
-    vbar = vbar.view(B, Hkv, g, R, vbar.shape[-1])
-    step = max(1, COMBINER_CHUNK // (B * H * block * (block + R)))  # blocks per chunk
-    run = _combiner_chunk
-    if step < nb and torch.is_grad_enabled():
-        run = functools.partial(torch.utils.checkpoint.checkpoint, _combiner_chunk, use_reentrant=False)
-    out = torch.cat([run(qb[:, :, :, n:n + step], kb[:, :, n:n + step], vb[:, :, n:n + step], kbar, vbar,
-                         first_block + n) for n in range(0, nb, step)], dim=3)  # (B, Hkv, g, nb, s, D)
+    kb, vb = to_blocks(expand_kv(k, H), block), to_blocks(expand_kv(v, H), block)  # (B, H, nb, s, D)
+    if R == 0:
+        out = F.scaled_dot_product_attention(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
+                                             is_causal=True, scale=scale)  # (B*H, nb, s, D)
+    else:
+        keys = torch.cat([kb, expand_kv(kbar, H)[:, :, None].expand(B, H, nb, R, D)], 3)  # (B, H, nb, s + R, D)
+        values = torch.cat([vb, vbar[:, :, None].expand(B, H, nb, R, vbar.shape[-1])], 3)
+        causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()  # (s, s)
+        earlier = (torch.arange(R, device=q.device)
+                   < first_block + torch.arange(nb, device=q.device)[:, None])  # (nb, R): spans r < block
+        # 4-d: a 3-d mask sends SDPA on CPU to its math path (the whole (s, s + R) logits, op by op)
+        mask = torch.cat([causal.expand(nb, block, block), earlier[:, None].expand(nb, block, R)], 2)
+        out = F.scaled_dot_product_attention(qb.flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1),
+                                             attn_mask=mask[None], scale=scale)  # (B*H, nb, s, D)
     return out.reshape(B, H, nb * block, -1)[:, :, :L]
-
-
-def _combiner_chunk(qb, kb, vb, kbar, vbar, first_block):
-    """combiner_blocks for the n blocks first_block .. of qb (B, Hkv, g, n, s, D), q scaled."""
-    n, block, R = qb.shape[3], qb.shape[4], kbar.shape[2]
-    causal = torch.ones(block, block, dtype=torch.bool, device=qb.device).tril()  # (s, s)
-    earlier = (torch.arange(R, device=qb.device)
-               < first_block + torch.arange(n, device=qb.device)[:, None])  # (n, R): spans r < block
-    # masked in place: einsum's backward needs its inputs, not its output
-    direct = torch.einsum("bkgnid,bknjd->bkgnij", qb, kb)  # (B, Hkv, g, n, s, s)
-    span = torch.einsum("bkgnid,bkrd->bkgnir", qb, kbar)  # (B, Hkv, g, n, s, R)
-    direct.masked_fill_(~causal, NEG_INF)
-    span.masked_fill_(~earlier[:, None, :], NEG_INF)
-    p = torch.softmax(torch.cat([direct, span], dim=-1), dim=-1)  # (B, Hkv, g, n, s, s + R)
-    return (torch.einsum("bkgnij,bknjd->bkgnid", p[..., :block], vb)
-            + torch.einsum("bkgnir,bkgrd->bkgnid", p[..., block:], vbar))
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: block attention

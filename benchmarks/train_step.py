@@ -14,7 +14,10 @@ caa's forced branches; dsa's windows; see CONFIGS).
 Time: every model is built and stepped once (warm-up: AdamW state, compiled tiles), then
 each configuration is timed in rounds interleaved with `full` (A B A B ..., `steps` steps a
 sample); its tok/s is the median of its samples and its ratio the median of the per-round
-ratios full_time / its_time, so both runs of a round saw the same machine load.
+ratios full_time / its_time, so both runs of a round saw the same machine load. The same
+ratio of CPU time (time.process_time: this process's threads, busy, not waiting; OpenMP's
+idle threads sleep, OMP_WAIT_POLICY=PASSIVE) is printed beside it: on a loaded shared
+machine a step's wall time swings with the other jobs, its CPU time much less.
 Memory: each configuration in a forked child process (forked before the parent runs any
 torch op): after one warm-up step the peak resident set is reset (/proc/self/clear_refs)
 and one step is run; `step_mb` is its peak resident set (VmHWM) minus the resident set
@@ -160,27 +163,33 @@ def timing(shape, rows, rounds, steps):
     tokens = SHAPES[shape]["B"] * SHAPES[shape]["T"] * steps
 
     def sample(name):
-        t0 = time.perf_counter()
+        """(wall seconds, CPU seconds of this process) of `steps` steps."""
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             train_step(*built[name])
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    out, full_times = {}, []
+    out, full_times, full_cpu = {}, [], []
     for name, _, _ in rows:
         if name == "full":
             continue
-        pairs = []
+        pairs, cpu = [], []
         for _ in range(rounds):
-            a, b = sample("full"), sample(name)
+            (a, ca), (b, cb) = sample("full"), sample(name)
             pairs.append((a, b))
+            cpu.append((ca, cb))
         full_times += [a for a, _ in pairs]
+        full_cpu += [a for a, _ in cpu]
         out[name] = dict(tok_s=tokens / statistics.median(b for _, b in pairs),
                          ratio=statistics.median(a / b for a, b in pairs),
+                         cpu_ratio=statistics.median(a / b for a, b in cpu),
                          full_tok_s=tokens / statistics.median(a for a, _ in pairs),
-                         seconds=[round(b, 4) for _, b in pairs], full_seconds=[round(a, 4) for a, _ in pairs])
+                         seconds=[round(b, 4) for _, b in pairs], full_seconds=[round(a, 4) for a, _ in pairs],
+                         cpu_seconds=[round(b, 4) for _, b in cpu], full_cpu_seconds=[round(a, 4) for a, _ in cpu])
     if not full_times:  # full alone
-        full_times = [sample("full") for _ in range(rounds)]
-    out["full"] = dict(tok_s=tokens / statistics.median(full_times), ratio=1.0, seconds=[round(t, 4) for t in full_times])
+        full_times, full_cpu = map(list, zip(*[sample("full") for _ in range(rounds)]))
+    out["full"] = dict(tok_s=tokens / statistics.median(full_times), ratio=1.0, cpu_ratio=1.0,
+                       seconds=[round(t, 4) for t in full_times], cpu_seconds=[round(t, 4) for t in full_cpu])
     return out
 
 
@@ -218,8 +227,8 @@ def gate_bound(shape="cpu", rounds=5):
 
 
 def table(rows):
-    lines = ["| shape | config | tok/s | vs full (same rounds) | goal | step memory MB | vs full | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | config | tok/s | vs full (same rounds) | goal | vs full, CPU time | step memory MB | vs full "
+             "| peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         full = next(f for f in rows if f["shape"] == r["shape"] and f["config"] == "full")
         mem = "error" if "error" in r else f"{r['step_mb']:.0f}"
@@ -227,7 +236,8 @@ def table(rows):
         goal = GOALS.get(r["config"])
         goal_s = "" if goal is None else f">= {goal}x {'met' if r['ratio'] >= goal else 'NOT met'}"
         peak = "" if "error" in r else f"{r['peak_mb']:.0f}"
-        lines.append(f"| {r['shape']} | {r['config']} | {r['tok_s']:.0f} | {r['ratio']:.2f}x | {goal_s} | {mem} | "
+        lines.append(f"| {r['shape']} | {r['config']} | {r['tok_s']:.0f} | {r['ratio']:.2f}x | {goal_s} | "
+                     f"{r['cpu_ratio']:.2f}x | {mem} | "
                      f"{mem_rel} | {peak} |")
     return "\n".join(lines)
 

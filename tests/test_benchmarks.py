@@ -33,6 +33,8 @@ def test_train_step_quick_json(tmp_path):
     assert len(local["seconds"]) == len(local["full_seconds"]) == report["rounds"]
     expected = statistics.median(a / b for a, b in zip(local["full_seconds"], local["seconds"]))
     assert abs(local["ratio"] - expected) < 1e-2 * expected
+    expected = statistics.median(a / b for a, b in zip(local["full_cpu_seconds"], local["cpu_seconds"]))
+    assert abs(local["cpu_ratio"] - expected) < 1e-2 * expected
     tokens = local["T"] * local["B"] * report["steps_per_sample"]
     assert abs(local["tok_s"] - tokens / statistics.median(local["seconds"])) < 1e-2 * local["tok_s"]
     for r in rows.values():
