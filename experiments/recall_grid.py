@@ -221,6 +221,12 @@ def section(results_dir, link):
             r = res.get((attn, n))
             cells.append("–" if r is None else " / ".join(f"{r['by_factor'][str(f)]['acc']:.3f}" for f in FACTORS))
         L.append(f"| {attn} | " + " | ".join(cells) + " |")
+    lags = {n: next(r["by_factor"] for (a, m), r in res.items() if m == n) for n in KV_PAIRS
+            if any(m == n for _, m in res)}
+    if lags:
+        L += ["", "Mean lag of the queries at 1x / 2x / 4x (a window of W = {} sees lag <= {}): ".format(W, W)
+              + "; ".join(f"{n} pairs " + " / ".join(f"{b[str(f)]['lag_mean']:.1f}" for f in FACTORS)
+                          for n, b in lags.items()) + "."]
     full = [(n, res[("full", n)]["by_factor"]["1"]["acc"]) for n in KV_PAIRS if ("full", n) in res]
     if full:
         ok = [n for n, a in full if a >= 0.9]
@@ -265,7 +271,7 @@ def figure(results_dir, path):
         ax.set_title(f"{f}x the trained length ({f * SEQ_LEN} tokens)")
         ax.set_xlabel("key-value pairs")
     axes[0].set_ylabel("recall accuracy")
-    axes[-1].legend(fontsize=7, loc="upper right")
+    axes[-1].legend(fontsize=7, loc="center right")
     fig.tight_layout()
     path.parent.mkdir(exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -121,7 +121,7 @@ def test_report_renders_the_table_from_result_files(tmp_path):
     accs = {("full", 8): (0.95, 0.5, 0.125), ("local", 32): (0.0625, 0.0, 0.25)}
     for (attn, n), a in accs.items():
         (tmp_path / f"{attn}_kv{n}.json").write_text(json.dumps({
-            "by_factor": {str(f): {"acc": x} for f, x in zip((1, 2, 4), a)}, "train_s": 120, "eval_s": 6,
+            "by_factor": {str(f): {"acc": x, "lag_mean": n * f} for f, x in zip((1, 2, 4), a)}, "train_s": 120, "eval_s": 6,
             "command": "python experiments/paired.py --attn=x"}))
     md = grid.section(tmp_path, lambda p: "LINK")
     rows = {l.split("|")[1].strip(): [c.strip() for c in l.split("|")[2:-1]] for l in md if l.startswith("| ")}
@@ -130,6 +130,7 @@ def test_report_renders_the_table_from_result_files(tmp_path):
     assert rows["local"] == ["–", "–", "–", "0.062 / 0.000 / 0.250"]
     assert rows["nsa"] == ["–"] * 4
     text = "\n".join(md)
+    assert "8 pairs 8.0 / 16.0 / 32.0; 32 pairs 32.0 / 64.0 / 128.0." in text
     assert "reaches >= 0.9 at 8 pairs; 0.950 at 8." in text and "(LINK)" in text
     assert "Not run yet (34 of 36): full_kv4, full_kv16" in text and "2.1 to 2.1 min" in text
     grid.figure(tmp_path, tmp_path / "assets" / "fig.png")
