@@ -118,7 +118,7 @@ def test_the_grid_is_every_variant_at_every_kv_count_full_first():
 
 
 def test_report_renders_the_table_from_result_files(tmp_path):
-    accs = {("full", 8): (0.95, 0.5, 0.125), ("local", 32): (0.0625, 0.0, 0.25)}
+    accs = {("full", 8): (0.95, 0.5, 0.125), ("full", 16): (0.85, 0.5, 0.5), ("local", 32): (0.0625, 0.0, 0.25)}
     for (attn, n), a in accs.items():
         (tmp_path / f"{attn}_kv{n}.json").write_text(json.dumps({
             "by_factor": {str(f): {"acc": x, "lag_mean": n * f} for f, x in zip((1, 2, 4), a)}, "train_s": 120, "eval_s": 6,
@@ -126,12 +126,12 @@ def test_report_renders_the_table_from_result_files(tmp_path):
     md = grid.section(tmp_path, lambda p: "LINK")
     rows = {l.split("|")[1].strip(): [c.strip() for c in l.split("|")[2:-1]] for l in md if l.startswith("| ")}
     assert rows["variant"] == ["4 pairs", "8 pairs", "16 pairs", "32 pairs"]
-    assert rows["full"] == ["–", "0.950 / 0.500 / 0.125", "–", "–"]
+    assert rows["full"] == ["–", "0.950 / 0.500 / 0.125", "0.850 / 0.500 / 0.500", "–"]
     assert rows["local"] == ["–", "–", "–", "0.062 / 0.000 / 0.250"]
     assert rows["nsa"] == ["–"] * 4
     text = "\n".join(md)
-    assert "8 pairs 8.0 / 16.0 / 32.0; 32 pairs 32.0 / 64.0 / 128.0." in text
-    assert "reaches >= 0.9 at 8 pairs; 0.950 at 8." in text and "(LINK)" in text
-    assert "Not run yet (34 of 36): full_kv4, full_kv16" in text and "2.1 to 2.1 min" in text
+    assert "8 pairs 8.0 / 16.0 / 32.0; 16 pairs 16.0 / 32.0 / 64.0; 32 pairs 32.0 / 64.0 / 128.0." in text
+    assert "reaches >= 0.9 at 8 pairs; 0.950 at 8, 0.850 at 16. At 16 pairs it does not" in text
+    assert "(LINK)" in text and "Not run yet (33 of 36): full_kv4, full_kv32, local_kv4" in text and "2.1 to 2.1 min" in text
     grid.figure(tmp_path, tmp_path / "assets" / "fig.png")
     assert (tmp_path / "assets" / "fig.png").stat().st_size > 0
