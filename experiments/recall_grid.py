@@ -306,6 +306,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     todo = select(runs(args.results_dir), args.only)
     if args.list:
+        print(f"# each command reads the shards in {recall._rel(args.data_dir)}/kvN, made by make_data, which a "
+              f"run of this script without --list calls first")
         for r in todo:
             state = "done" if r["result"].exists() else "to run"
             print(f"{r['name']:14s} {state:7s} {' '.join(['python'] + train_command(r, args.data_dir)[1:])}")
