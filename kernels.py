@@ -858,7 +858,8 @@ MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bound
 def _run_flex(q, k, v, score_mod, block_mask, scale):
     """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores) except for
     decode-sized calls (`DECODE_ROWS`); inside an outer torch.compile the plain function is
-    traced into that graph instead."""
+    traced into that graph instead. A score_mod may carry Triton tile sizes for its kernels
+    in a `kernel_options` attribute (`PAIR_GATE_TILES`)."""
     global _compiled_flex
     fn = flex_attention
     compiled = q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX
@@ -867,7 +868,7 @@ def _run_flex(q, k, v, score_mod, block_mask, scale):
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-              enable_gqa=q.shape[1] != k.shape[1])
+              enable_gqa=q.shape[1] != k.shape[1], kernel_options=getattr(score_mod, "kernel_options", None))
 
 
 def _same_dtype(*tensors):
@@ -951,6 +952,15 @@ def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from
     return _run_flex(q, k, v, score_mod, mask, scale)
 
 
+# Triton tiles for the pair gate's kernels: 16 scores per thread (64 x 32 forward, 32 x 64 and
+# 64 x 32 backward, 4 warps). Inductor's defaults for head_dim 64 in bf16 give a thread 128
+# scores on an H100 (128 x 128 forward), each with r = 16 GELUs: the forward kernel's PTX
+# came to 14.8 MB (240k lines) and ptxas ran over an hour on it; with these tiles it is
+# 1.9 MB (benchmarks/gpu_compile/, made on a CPU). The other score_mods keep the defaults.
+PAIR_GATE_TILES = dict(fwd_BLOCK_M=64, fwd_BLOCK_N=32, fwd_num_warps=4, bwd_BLOCK_M1=32, bwd_BLOCK_N1=64,
+                       bwd_BLOCK_M2=64, bwd_BLOCK_N2=32, bwd_num_warps=4)
+
+
 def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
     """attention.pair_gated_attention: the gate is a score_mod reading the captured per-query
     and per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention,
@@ -975,6 +985,7 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
             z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
         return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
 
+    gate.kernel_options = PAIR_GATE_TILES
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
 
 

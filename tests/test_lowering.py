@@ -227,3 +227,28 @@ def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
         sample.generate(model, prompt, 20, temperature=0.0)
     torch._dynamo.reset()
     assert counter.frame_count <= 2, f"{attn}: {counter.frame_count} compiles over 20 decoding steps"
+
+
+def test_pair_gate_kernels_get_small_tiles(monkeypatch):
+    """asga's score_mod runs r = 16 GELUs per score: at inductor's default tiles (128 x 128
+    forward on an H100, 128 scores a thread) its forward kernel's PTX was 14.8 MB and ptxas
+    ran over an hour. Its FlexAttention call must ask for tiles of at most 16 scores a thread,
+    forward and backward, that inductor accepts (its block-sparse tiles of 128 divisible by them)."""
+    seen = {}
+
+    def spy(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+        seen["options"] = kernel_options
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(kernels, "flex_attention", spy)
+    monkeypatch.setattr(kernels, "COMPILE_FLEX", False)
+    B, H, T, D, r = 1, 2, 40, 16, 4
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    kernels.flex_pair_gated_attention(q, k, v, torch.randn(B, H, T, r), torch.randn(B, H, T, r),
+                                      torch.randn(H, r), torch.randn(H), 0.25, 0, 0)
+    o = seen["options"]
+    assert o["fwd_BLOCK_M"] * o["fwd_BLOCK_N"] <= 16 * 32 * o["fwd_num_warps"]
+    assert o["bwd_BLOCK_M1"] * o["bwd_BLOCK_N1"] <= 16 * 32 * o["bwd_num_warps"]
+    assert o["bwd_BLOCK_M2"] * o["bwd_BLOCK_N2"] <= 16 * 32 * o["bwd_num_warps"]
+    assert 128 % o["fwd_BLOCK_N"] == 0 and 128 % o["fwd_BLOCK_M"] == 0 and 128 % o["bwd_BLOCK_M2"] == 0
+    assert o["bwd_BLOCK_N1"] % o["bwd_BLOCK_M1"] == 0 and o["bwd_BLOCK_M2"] % o["bwd_BLOCK_N2"] == 0
