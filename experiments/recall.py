@@ -83,13 +83,33 @@ def mqar_sequences(n_seq, seq_len, n_keys, n_values, seed, form="onehop"):
     tokens = tokens.astype(np.int64)  # (N, T): keys at even positions, values at odd
     q = {k: v.copy() for k, v in q.items()}
     if form == "onehop":
-        keys = tokens[:, 0::2]  # (N, T/2)
-        tokens[:, 1::2] = n_keys + keys * n_values + (tokens[:, 1::2] - n_keys)
+        tokens[:, 1::2] = onehop_token(tokens[:, 0::2], tokens[:, 1::2] - n_keys, n_keys, n_values)  # (N, T/2)
         q["answer"] = tokens[q["seq"], q["pos"] + 1]
     elif form != "zoology":
         raise ValueError(f"unknown recall form {form!r}; valid: onehop, zoology")
     q["lag"] = q["distance"] - 1  # the answer sits right after the key's previous occurrence
     return tokens, q
+
+
+def onehop_token(key, value, n_keys, n_values):
+    """The id of the token (key, value) of form=onehop (value in 0 .. n_values-1): ids
+    n_keys .. n_keys * (1 + n_values) - 1, after the n_keys key ids."""
+    return n_keys + key * n_values + value
+
+
+@torch.no_grad()
+def predictions(model, tokens, batch=128):
+    """The model's argmax at every position of tokens (int64 (N, T)) -> int64 array (N, T)."""
+    # Train mode under no_grad: the model has no dropout, so the outputs are the same, and
+    # caa's fused forward in eval mode measured 3x slower (22.7 s vs 7.4 s on 64 x 256 tokens).
+    model.train()
+    x = torch.from_numpy(tokens)  # (N, T)
+    return torch.cat([model(x[i: i + batch])[0].argmax(-1) for i in range(0, len(x), batch)]).numpy()
+
+
+def correct_answers(pred, q):
+    """Per query (bool): the prediction at the query's position is its answer."""
+    return pred[q["seq"], q["pos"]] == q["answer"]
 
 
 def make_data(data_dir):
@@ -170,13 +190,8 @@ def evaluate(run_dir, n_seq=EVAL_SEQS, seed=EVAL_SEED, batch=128):
 
     model, ckpt = load_checkpoint(run_dir, "cpu")
     cfg = model.cfg
-    # Train mode under no_grad: the model has no dropout, so the outputs are the same, and
-    # caa's fused forward in eval mode measured 3x slower (22.7 s vs 7.4 s on 64 x 256 tokens).
-    model.train()
     tokens, q = mqar_sequences(n_seq, TASK["seq_len"], TASK["n_keys"], TASK["n_values"], seed, TASK["form"])
-    x = torch.from_numpy(tokens)  # (N, T)
-    pred = torch.cat([model(x[i: i + batch])[0].argmax(-1) for i in range(0, n_seq, batch)])  # (N, T)
-    correct = pred.numpy()[q["seq"], q["pos"]] == q["answer"]
+    correct = correct_answers(predictions(model, tokens, batch), q)
     return {"attn": cfg.attn, "seed": ckpt["train_config"]["seed"], "step": ckpt["step"],
             "window": cfg.window, "n_layer": cfg.n_layer, "chance": 1 / TASK["n_values"],
             "overall": float(correct.mean()), "n_queries": int(len(correct)),

@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import recall  # noqa: E402
+import recall_grid  # noqa: E402
 import text_data  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -497,6 +498,7 @@ def results_markdown(out, md_dir):
          f"--text_val_source=VAL.jsonl` (the corpus slice's train and validation files).", ""]
     L += setup_section(out)
     L += recall_section(rec, out, link)
+    L += recall_grid.section(out / "recall_grid", link)
     L += window_section(windows, stats.get("full"), link)
     L += text_section(stats, link)
     L += paper_section(stats)
