@@ -71,7 +71,12 @@ TRAIN = dict(model="tiny", vocab_size=TASK["n_keys"] * (1 + TASK["n_values"]), t
              window=8, dsa_threshold=16, caa_window_max=16,
              seq_len=TASK["seq_len"], batch_size=32, total_batch_tokens=2048,
              lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=250, val_tokens=8192,
-             ckpt_every=500)  # resumable: a cut run continues from its last 500 steps
+             ckpt_every=500,  # resumable: a cut run continues from its last 500 steps
+             # nsa, moba, indexer sized as the text runs are, scaled to W = 8: nsa's compressed
+             # blocks of 4 every 2, 4 selected blocks of 4, a window of W; moba's 2 blocks of 4
+             # (its own + 1) = W keys; the indexer's top W keys
+             nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=4, nsa_topk=4, nsa_window=8,
+             moba_block=4, moba_topk=2, index_head_dim=16)
 
 
 def mqar_sequences(n_seq, seq_len, n_keys, n_values, seed, form="onehop"):

@@ -79,6 +79,11 @@ TEXT_CONFIGS = [
     ("caa", "caa", {}),
     ("caa_gatenorm", "caa", {"caa_gate_norm": True}),
     ("combiner", "combiner", {}),
+    # The later baselines (baselines.md), at as many keys per query as `local` (TEXT, recall.TRAIN):
+    ("nsa", "nsa", {}),
+    ("moba", "moba", {}),
+    ("indexer", "indexer", {}),  # dense for its first indexer_warmup steps (train.py's default)
+    ("indexer_nowarm", "indexer", {"indexer_warmup": 0}),  # sparse from step 1 (an ablation)
 ]
 # Recall adds caa with each branch forced (what each branch alone can reach).
 RECALL_CONFIGS = TEXT_CONFIGS + [
@@ -97,7 +102,13 @@ WINDOWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=4, head_dim=32,
             mlp_hidden=384, window=64, dsa_threshold=128, caa_window_max=128,
             seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
-            max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100)
+            max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100,
+            # nsa: lucidrains' byte-level enwik8 setting at T = 512 (baselines.md 1.5): compressed
+            # blocks of 16 every 8, 4 selected blocks of 16 (3 forced), a window of W; moba: 4
+            # blocks of 16 (its own + 3) = W keys; indexer: the top W keys (index_topk = 0),
+            # scored by 4 heads of 32 (one head's size here).
+            nsa_cmp_block=16, nsa_cmp_stride=8, nsa_block=16, nsa_topk=4, nsa_window=64,
+            moba_block=16, moba_topk=4, index_head_dim=32)
 
 # A long pair beside the window control: `full` and `local` at W = LONG_WINDOW, seed 0, for
 # LONG_STEPS steps (40x the study's budget, most of one epoch of the 24 MB train split): how
@@ -214,13 +225,19 @@ def kernel_default():
 def unavailable(attn, flags):
     """None if this checkout can build the configuration, else why not (a flag or variant
     another branch adds that is not here yet)."""
+    import dataclasses
+
     from attention import VARIANTS
     from model import PRESETS, Model, ModelConfig
+    from train import TrainConfig
 
     if attn not in VARIANTS:
         return f"--attn={attn} is not in this checkout's attention.py"
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}  # e.g. indexer_warmup
     try:
-        Model(ModelConfig(**{**PRESETS["tiny"], "vocab_size": 64, "attn": attn, **flags}))
+        TrainConfig(**{k: v for k, v in flags.items() if k in train_keys})
+        Model(ModelConfig(**{**PRESETS["tiny"], "vocab_size": 64, "attn": attn,
+                             **{k: v for k, v in flags.items() if k not in train_keys}}))
     except (TypeError, ValueError, AssertionError) as e:
         return f"{' '.join(f'--{k}={v}' for k, v in flags.items())} is not accepted here ({type(e).__name__})"
     return None
