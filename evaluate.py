@@ -198,7 +198,13 @@ def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=
     """loss_by_position at each factor x trained_len on data_dir's val shards -> a list of
     its results (skipped lengths included, with why), after printing one line per length."""
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
-    bytes_per_token = token_bytes(tokenizer, vocab) if vocab else None
+    try:
+        bytes_per_token = token_bytes(tokenizer, vocab) if vocab else None
+    except OSError as e:  # tiktoken downloads GPT-2's BPE files on first use: offline, it cannot
+        bytes_per_token = None
+        log(f"bits per byte: skipped: GPT-2's BPE files could not be loaded ({type(e).__name__}); connect "
+            f"once, or set TIKTOKEN_CACHE_DIR to a folder that holds them, then run `python evaluate.py` "
+            f"on the checkpoint")
     try:
         unigram_log_p = data.unigram_log_probs(data_dir)
     except data.ShardError as e:

@@ -55,7 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from data import recall_sequences, write_shard  # noqa: E402
+from data import TOKENIZER_FILE, recall_sequences, write_shard, write_tokenizer  # noqa: E402
 
 # Window W = 8 with 2 layers: receptive field 16; at 16 keys a key's previous occurrence is
 # further than 16 positions for (15/16)^8 = 60% of the queries, further than 32 for 36%.
@@ -122,6 +122,8 @@ def make_data(data_dir):
     sequences back to back (a marker file records the task they were made for)."""
     marker = Path(data_dir) / "recall_task.json"
     if marker.exists() and json.loads(marker.read_text()) == TASK:
+        if not Path(data_dir, TOKENIZER_FILE).exists():  # folders made before the record existed
+            write_tokenizer(data_dir, "mqar", TASK["n_keys"] * (1 + TASK["n_values"]))
         return
     os.makedirs(data_dir, exist_ok=True)
     args = (TASK["seq_len"], TASK["n_keys"], TASK["n_values"])
@@ -129,6 +131,8 @@ def make_data(data_dir):
         tokens, _ = mqar_sequences(n_tok // TASK["seq_len"], *args, seed, TASK["form"])
         write_shard(Path(data_dir) / f"recall_{split}_{0 if split == 'val' else 1:06d}.bin",
                     tokens.reshape(-1).astype(np.uint16))
+    # token ids without text: evaluate.py then reports loss by position but no bits per byte
+    write_tokenizer(data_dir, "mqar", TASK["n_keys"] * (1 + TASK["n_values"]))
     marker.write_text(json.dumps(TASK))
 
 

@@ -286,3 +286,27 @@ def test_command_line_on_a_checkpoint_writes_eval_json(tmp_path, capsys):
     assert record["bits_per_byte"] is not None and record["unigram"]["bits_per_byte"] > 0
     assert record["hellaswag"]["items"] == 6 and record["step"] == 7
     assert "hellaswag: acc" in printed and "length 256 (4x): skipped" in printed
+
+
+def test_offline_gpt2_bpe_skips_bits_per_byte_but_keeps_loss_by_position(tmp_path, monkeypatch):
+    """A run's final evaluation must not crash the finished run when tiktoken cannot fetch
+    GPT-2's BPE files (no internet): loss by position is still recorded, bits per byte is not,
+    and one line says why and what to do."""
+    shards = tmp_path / "gpt2"
+    shards.mkdir()
+    rng = np.random.default_rng(0)
+    data.write_shard(str(shards / "t_val_000000.bin"), rng.integers(1, 256, 600).astype(np.uint16))
+    data.write_tokenizer(str(shards), "gpt2", 50257)  # ids < 256 suffice for the stub model
+
+    def offline(*args):
+        raise ConnectionError("Name or service not known")  # what requests raises: an OSError
+
+    monkeypatch.setattr(evaluate, "token_bytes", offline)
+    lines = []
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**TINY_BYTES))
+    record = evaluate.evaluate_model(model, data_dir=str(shards), tokenizer="gpt2", trained_len=64, n_seq=2,
+                                     log=lines.append)
+    assert record["positions"][0]["n_seq"] == 2 and record["nats_per_token"] > 0
+    assert record["bits_per_byte"] is None
+    assert sum("bits per byte: skipped" in line and "TIKTOKEN_CACHE_DIR" in line for line in lines) == 1

@@ -17,6 +17,7 @@ import paired  # noqa: E402
 import recall  # noqa: E402
 import sweep  # noqa: E402
 import text_data  # noqa: E402
+import data  # noqa: E402
 from data import load_shard, recall_sequences  # noqa: E402
 from model import PRESETS, Model, ModelConfig  # noqa: E402
 
@@ -54,6 +55,13 @@ def test_recall_shards_are_the_task_sequences(tmp_path, monkeypatch):
     val = np.asarray(load_shard(tmp_path / "recall_val_000000.bin"))
     assert np.array_equal(train, recall.mqar_sequences(32, 32, 4, 4, 5)[0].reshape(-1))
     assert np.array_equal(val, recall.mqar_sequences(8, 32, 4, 4, 6)[0].reshape(-1))
+    # the folder says its ids are no text (a folder without the record is read as GPT-2's, and
+    # a run's final evaluation then tried to fetch GPT-2's BPE for bits per byte), also for a
+    # folder made before the record existed
+    assert data.tokenizer_of(tmp_path) == ("mqar", 4 * (1 + 4))  # n_keys (1 + n_values) ids
+    (tmp_path / data.TOKENIZER_FILE).unlink()
+    recall.make_data(tmp_path)
+    assert data.tokenizer_of(tmp_path)[0] == "mqar"
 
 
 def test_accuracy_buckets():
