@@ -214,6 +214,105 @@ PAPER_NOTES = [
 ]
 
 
+# ----------------------------------------------------------------------------- the later baselines
+# The headline results of the three later baselines (nsa, moba, indexer), typed by hand with the
+# place each is printed and the setting it came from. Checked against:
+# [NSA] arXiv:2502.11089 (its text: §4.1, §4.3 Tables 1-3, Figure 5, §5.1, §5.2 Table 4);
+# [MoBA] arXiv:2502.13189, the MoBA_Tech_Report.pdf of github.com/MoonshotAI/MoBA @ 61e456b;
+# [DS32] github.com/deepseek-ai/DeepSeek-V3.2-Exp @ 3b99a53: DeepSeek_V3_2.pdf and README.md.
+# A result a source gives only as a figure is described in words, never read off the plot.
+# Per paper: its name, citation, our configurations, the setting, the direction it reports,
+# rows (result, sparse, full, where), speed / cost claims, and what was not typed and why.
+LATER_PAPERS = [
+    {"name": "NSA (Native Sparse Attention)",
+     "cite": "Yuan et al. 2025, arXiv:2502.11089",
+     "configs": ("nsa",),
+     "setting": "a 27B-parameter MoE with 3B active (30 layers, hidden 2560, GQA with 4 groups "
+                "and 64 heads), NSA and full attention each pretrained on 270B tokens of 8k-length "
+                "text, then continued training and SFT at 32k with YaRN; NSA with compression blocks "
+                "of 32 every 16, 16 selected blocks of 64, a window of 512 (§4.1)",
+     "baseline": "Full Attention", "direction": "sparse at or above full",
+     "rows": [
+         ("general benchmarks, average of 9 (MMLU, MMLU-PRO, CMMLU, BBH, GSM8K, MATH, DROP, MBPP, "
+          "HumanEval); NSA ahead on 7 of 9", "0.456", "0.443", "§4.3, Table 1"),
+         ("LongBench average (the sparse baselines at 2560 keys per query)", "0.469", "0.437",
+          "§4.3, Table 2"),
+         ("needle in a haystack at 64k context", "perfect retrieval at every position",
+          "not reported", "§4.3, Figure 5"),
+         ("AIME 24 after SFT on 10B tokens of 32k-length reasoning traces, generation limit 8k / 16k",
+          "0.121 / 0.146", "0.046 / 0.092", "§4.3, Table 3"),
+     ],
+     "speed": [
+         "training kernels (Triton NSA against Triton FlashAttention-2, on an 8-GPU A100 system): "
+         "up to 9.0x faster forward and 6.0x backward at 64k context (§5.1, Figure 6)",
+         "decoding: 5632 keys loaded per step against 65536 at 64k, an expected 11.6x speed-up "
+         "(§5.2, Table 4; estimated from memory-access volume, not a measured time)",
+     ],
+     "unchecked": "the pretraining loss curves (Figure 4: NSA below full throughout) are a figure "
+                  "only, so no loss number is typed"},
+    {"name": "MoBA (Mixture of Block Attention)",
+     "cite": "Lu et al. 2025, arXiv:2502.13189",
+     "configs": ("moba",),
+     "setting": "(a) scaling-law runs: 5 models of 545M to 2.1B non-embedding parameters trained on "
+                "10.8B to 36.9B tokens (Table 1), 8K sequences, blocks of 512, top-3 (§3.1); "
+                "(b) Llama-8B-1M-MoBA: Llama 3.1 8B continually pretrained from 128K to 1M context, "
+                "then MoBA for 100B tokens with blocks of 4096, top-12, the last 3 of 32 layers full, "
+                "against Llama-8B-1M-Full trained the same way; MoBA only for prefill in the "
+                "evaluations (§3.3)",
+     "baseline": "full attention (b: Llama-8B-1M-Full)", "direction": "sparse close to full",
+     "rows": [
+         ("(a) fitted LM loss at seqlen 8K against compute C (PFLOP/s-days); the two stay within "
+          "1e-3 of each other (§3.1)", "2.625 × C^-0.063", "2.622 × C^-0.063", "§3.1, Figure 3c"),
+         ("(a) fitted trailing LM loss (seqlen 32K, last 2K tokens); MoBA slightly higher at all 5 "
+          "sizes, the gap narrowing", "1.546 × C^-0.108", "1.464 × C^-0.097", "§3.1, Figure 3c"),
+         ("(b) LongBench @32K", "0.4828", "0.4821", "§3.3, Table 2"),
+         ("(b) RULER @128K (MoBA up to 62.5% sparse here)", "0.7818", "0.7849", "§3.3, Table 2"),
+         ("(b) MMLU, 0-shot", "0.4903", "0.4904", "§3.3, Table 2"),
+         ("(b) GSM8K, 5-shot", "0.7278", "0.7142", "§3.3, Table 2"),
+     ],
+     "speed": [
+         "attention-layer forward time of the two (b) models, MoBA against FlashAttention: up to "
+         "6.5x faster when prefilling 1M tokens (§3.4, Figure 2a)",
+         "at a fixed 95.31% sparsity (64 blocks, top-3), 16x less attention time at 10M tokens "
+         "(§3.4, Figure 2b); the report does not name the GPUs",
+     ],
+     "unchecked": "the needle-in-a-haystack result up to 1M (Figure 7, \"satisfactory\") is a "
+                  "figure only, so no accuracy is typed"},
+    {"name": "DeepSeek Sparse Attention (DeepSeek-V3.2-Exp)",
+     "cite": "DeepSeek-AI 2025, the report DeepSeek_V3_2.pdf and README of "
+             "github.com/deepseek-ai/DeepSeek-V3.2-Exp (the later DeepSeek-V3.2 report: arXiv:2512.02556)",
+     "configs": ("indexer", "indexer_nowarm"),
+     "setting": "DeepSeek-V3.1-Terminus (the 671B MoE of the repository's config_671B_v3.2.json; "
+                "MLA in MQA mode) continually pretrained from its 128K checkpoint: a dense warm-up "
+                "training only the indexer (1000 steps, 2.1B tokens, lr 1e-3), then sparse training "
+                "with the top 2048 keys per query (15000 steps, 943.7B tokens, lr 7.3e-6), then the "
+                "same post-training as V3.1-Terminus (§2)",
+     "baseline": "DeepSeek-V3.1-Terminus (dense)", "direction": "sparse on par with dense",
+     "rows": [
+         ("MMLU-Pro (EM)", "85.0", "85.0", "Table 1; README"),
+         ("GPQA-Diamond (Pass@1)", "79.9", "80.7", "Table 1; README"),
+         ("Humanity's Last Exam (Pass@1)", "19.8", "21.7", "Table 1; README"),
+         ("AIME 2025 (Pass@1)", "89.3", "88.4", "Table 1; README"),
+         ("Codeforces-Div1 (rating)", "2121", "2046", "Table 1; README"),
+         ("BrowseComp (Acc.)", "40.1", "38.5", "Table 1; README"),
+         ("SWE Verified (agent mode)", "67.8", "68.4", "Table 1; README"),
+     ],
+     "speed": [
+         "core attention from O(L²) to O(Lk) with k = 2048; the indexer stays O(L²) but is much "
+         "cheaper than MLA (§3)",
+         "cost per million tokens against token position, estimated from the service on H800 GPUs "
+         "at 2 USD per GPU hour: V3.2-Exp's is far below V3.1-Terminus's at long positions and the "
+         "gap widens up to 128K, for prefilling and decoding; near position 0 the two are close "
+         "(§3, Figure 3; short prefills run a masked MHA mode)",
+     ],
+     "note": "Table 1's caption puts V3.2-Exp's lower GPQA, HLE and HMMT 2025 scores down to it "
+             "generating fewer reasoning tokens, a gap that closes at intermediate checkpoints "
+             "producing as many",
+     "unchecked": "the cost curves (Figure 3, the README's cost.jpg) are a figure only, so no "
+                  "dollar amount is typed"},
+]
+
+
 # ----------------------------------------------------------------------------- running
 
 def kernel_default():
@@ -519,6 +618,7 @@ def results_markdown(out, md_dir):
     L += window_section(windows, stats.get("full"), link)
     L += text_section(stats, link)
     L += paper_section(stats)
+    L += later_baselines_section(stats, rec)
     L += scale_section(windows, rec, out)
     return "\n".join(L) + "\n", stats, windows, rec
 
@@ -661,6 +761,48 @@ def paper_section(stats):
                       seq_len=t["seq_len"], threshold=t["dsa_threshold"]) for n in PAPER_NOTES]
     L += [""] + [f"- {n}" for n in notes] + ["", "Papers: " + "; ".join(PAPERS.values()) + "."]
     return L + [""]
+
+
+def later_baselines_section(stats, rec):
+    """The later baselines' (LATER_PAPERS) own headline results with their settings, and beside
+    each our numbers for its configurations: the paired text Δ from `full`, tok/s relative to
+    `full` and the recall probe's overall accuracy, "pending" until the run has finished."""
+    t = TEXT
+    full_rec = rec.get("full")
+    L = ["## The later baselines' own results beside ours", "",
+         "The headline results of the three later baselines as their sources print them (typed by "
+         "hand; the place of each is beside it), with the setting each came from, then ours for "
+         "the configuration that implements it. The scales differ by orders of magnitude: the papers "
+         "train models of 545M to 671B parameters on 10.8B to 943.7B tokens at contexts of 8K to 1M "
+         f"on GPU clusters; ours train {t['n_layer']} layers of width {t['d_model']} on "
+         f"{t['max_steps'] * t['total_batch_tokens']:,} bytes at {t['seq_len']} bytes of context on one "
+         "CPU thread. So only the direction is compared: does the sparse variant stay close to full "
+         "attention, or not. A result that a source gives only as a figure is described in words, "
+         "not read off the plot.", ""]
+    for paper in LATER_PAPERS:
+        L += [f"### {paper['name']}: {paper['cite']}; here `"
+              + "`, `".join(paper["configs"]) + "`", "",
+              f"Setting: {paper['setting']}. The paper's direction: {paper['direction']}.", "",
+              f"| result | sparse | {paper['baseline']} | where |", "|---|---|---|---|"]
+        L += [f"| {what} | {sparse} | {dense} | {where} |" for what, sparse, dense, where in paper["rows"]]
+        L += [""] + [f"- Speed / cost: {claim}." for claim in paper["speed"]]
+        L += [f"- Note: {paper['note']}."] if "note" in paper else []
+        L += [f"- Not typed: {paper['unchecked']}.", "",
+              "Ours (Δ: final validation loss minus `full`'s at the same seed, nats per byte, mean ± "
+              "95% half-width; recall: overall accuracy on the probe, "
+              + (f"`full` {full_rec['overall']:.3f}" if full_rec else "`full` pending") + "):", "",
+              "| our config | text Δ vs full | told from full? | tok/s vs full | recall overall |",
+              "|---|---|---|---|---|"]
+        for cfg in paper["configs"]:
+            s, r = stats.get(cfg), rec.get(cfg)
+            told = "pending" if s is None else verdict(s["delta"], s["hw"], +1) \
+                .replace("same sign", "yes: worse than full").replace("opposite sign", "yes: better than full") \
+                .replace("not resolved", "no: not told apart")
+            tok = "pending" if s is None or s["tok_rel"] is None else f"{s['tok_rel']:.2f}x"
+            L.append(f"| {cfg} | {'pending' if s is None else _delta(s)} | {told} | {tok} | "
+                     f"{'pending' if r is None else format(r['overall'], '.3f')} |")
+        L.append("")
+    return L
 
 
 def reach(w):

@@ -228,3 +228,29 @@ def test_long_pair_sentence_names_the_step_from_which_full_stays_ahead():
     assert "+0.1000 at step 4000" in text and "-0.0500 at step 3000" in text
     l["evals"][-1] = (4000, 1.9)
     assert "had not yet overtaken a 4-byte window" in sweep.long_pair_sentence(f, l, "here", 4, 16384)
+
+
+def test_later_baselines_section_puts_each_papers_results_beside_its_own_configs():
+    """The section names NSA, MoBA and DeepSeek Sparse Attention with their headline numbers, and
+    each of our rows carries that configuration's own numbers (distinct per config here, so a
+    number wired to the wrong configuration shows), or "pending" before its run."""
+    def stat(delta, hw, tok_rel):
+        return {"delta": delta, "hw": hw, "tok_rel": tok_rel}
+    stats = {"nsa": stat(0.0123, 0.0011, 0.41), "moba": None,  # moba's text runs not finished
+             "indexer": stat(-0.0456, 0.0022, 0.52), "indexer_nowarm": stat(0.0789, 0.5, None)}
+    rec = {"full": {"overall": 0.996}, "nsa": {"overall": 0.111}, "indexer": {"overall": 0.222},
+           "indexer_nowarm": {"overall": 0.333}}
+    md = "\n".join(sweep.later_baselines_section(stats, rec))
+    for heading, numbers in (("### NSA", ("0.456", "0.443", "0.469", "0.437", "9.0x")),
+                             ("### MoBA", ("0.4828", "0.4821", "0.7818", "0.7849", "6.5x")),
+                             ("### DeepSeek Sparse Attention", ("85.0", "79.9", "80.7", "2048"))):
+        part = md.split(heading)[1].split("\n### ")[0]
+        assert all(n in part for n in numbers), heading
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in md.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in stats}
+    assert rows["nsa"] == ["+0.0123 ± 0.0011", "yes: worse than full", "0.41x", "0.111"]
+    assert rows["moba"] == ["pending"] * 4
+    assert rows["indexer"] == ["-0.0456 ± 0.0022", "yes: better than full", "0.52x", "0.222"]
+    assert rows["indexer_nowarm"] == ["+0.0789 ± 0.5000", "no: not told apart", "pending", "0.333"]
+    assert "orders of magnitude" in md and "only the direction is compared" in md
+    assert "`full` 0.996" in md
