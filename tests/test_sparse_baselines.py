@@ -272,6 +272,17 @@ def test_no_gradient_through_the_selection(attn):
         assert rel(a, b) < 1e-6
 
 
+@pytest.mark.parametrize("length,stride,block,C,J", [(4, 2, 8, 21, 6), (4, 2, 8, 3, 6), (16, 8, 32, 30, 8),
+                                                     (32, 16, 64, 40, 11), (8, 8, 8, 9, 9), (8, 4, 16, 0, 2)])
+def test_nsa_block_scores_equal_the_overlap_matrix(length, stride, block, C, J):
+    """`block_scores` (sliding sums) equals eq. 9's overlap matrix product p @ block_overlap,
+    with fewer compressed keys than the blocks cover and more (the chunks cut C causally)."""
+    p = torch.rand(2, 3, 5, C, dtype=torch.float64)
+    overlap = attention.block_overlap(C, J, length, stride, block, "cpu").double()
+    expected = p @ overlap
+    assert torch.allclose(attention.block_scores(p, J, length, stride, block), expected, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------- the fast paths
 
 def random_blocks(B, H, T, q_start, block, n, seed):
