@@ -877,7 +877,8 @@ class NativeSparseAttention(CausalSelfAttention):
     def compressed_branch(self, q, k_cmp, v_cmp, q_start, S):
         """The compressed branch's output (B, H, T, D) and the blocks each query selects by its
         probabilities (B, H, T, n), a chunk of queries at a time (`SCORES` elements), each
-        chunk's attention checkpointed when it needs a gradient: C ~ T / stride compressed
+        chunk's attention recomputed in the backward (checkpointed, or kernels.py's
+        `CompressedAttention` on the CPU fused path): C ~ T / stride compressed
         keys per query would otherwise keep (T, C) per head, memory quadratic in T. A chunk
         takes only the compressed keys its last query can see (causal: the rest would be
         masked), which halves the branch's work over a sequence."""
@@ -888,10 +889,15 @@ class NativeSparseAttention(CausalSelfAttention):
         C = k_cmp.shape[2]
         rows = max(1, self.SCORES // (B * H * max(1, C)))
 
+        # kernel='fused' on CPU: kernels.py's version, which recomputes its probabilities in its
+        # own backward (no checkpoint needed) and masks in place
+        fused = self.ops(q.device) is kernels.BLOCKWISE
+        attend = kernels.blockwise_compressed_attention if fused else compressed_attention
+
         def chunk(q_chunk, k_seen, v_seen, start):
-            return compressed_attention(q_chunk, k_seen, v_seen, self.scale, start, l, d)
+            return attend(q_chunk, k_seen, v_seen, self.scale, start, l, d)
         run = chunk
-        if rows < T and torch.is_grad_enabled():
+        if rows < T and torch.is_grad_enabled() and not fused:
             run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
         outs, blocks = [], []
         for t0 in range(0, T, rows):

@@ -57,6 +57,10 @@ here and the loops write into float32 buffers):
   are grouped by the (batch, head, block) they chose, as a mixture of experts routes tokens;
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
+- nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
+  keys it can see (attention.compressed_attention, which also returns the probabilities that
+  select the blocks); the backward recomputes them. Not one of the shared ops: nsa's class
+  calls it for its chunks on this path.
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
@@ -798,6 +802,64 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
         H = q.shape[1]
         q, k, v = _float32(q * scale, expand_kv(k, H), expand_kv(v, H))
         return block_dispatch(q, k, v, blocks, off, block, k_start)
+
+
+# ---------------------------------------------------------------------------- BLOCKWISE: nsa's compressed keys
+
+def _compressed_probs(q, k, scale, q_start, length, stride):
+    """(N, T, C) float32 probabilities of attention.compressed_attention for q (N, T, D), k
+    (N, C, D): one matmul, the invisible keys set to -inf in place, one softmax, the rows
+    that see no key set to 0 (the first length - 1 positions: all -inf gives NaN)."""
+    T, C = q.shape[1], k.shape[1]
+    logits = torch.bmm(q * scale, k.transpose(1, 2))  # (N, T, C)
+    q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    hidden = torch.arange(C, device=q.device) * stride + length - 1 > q_pos  # (T, C): not yet complete
+    p = torch.softmax(logits.masked_fill_(hidden, NEG_INF), dim=-1)
+    empty = min(T, max(0, length - 1 - q_start))  # queries before the first complete compressed key
+    if empty:
+        p[:, :empty] = 0.0
+    return p
+
+
+class CompressedAttention(torch.autograd.Function):
+    """attention.compressed_attention for q (N, T, D), k, v (N, C, D) in float32: returns the
+    output (N, T, D) and the probabilities (N, T, C), the latter without a gradient (nsa
+    uses them only to select blocks, a discrete choice). Keeps q, k, v and the output; the
+    backward recomputes the probabilities once ([Flash]'s recomputation) and uses
+    rowsum(dO * O) for the softmax's backward. Why not attention.py's function under a
+    checkpoint (what ran before): the checkpoint recomputed the output too, and the
+    reference's out-of-place masks and zero-row handling made five passes over each (T, C)
+    chunk per direction; here the masking is one in-place pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, q_start, length, stride):
+        p = _compressed_probs(q, k, scale, q_start, length, stride)
+        out = torch.bmm(p, v)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.geometry = scale, q_start, length, stride
+        ctx.mark_non_differentiable(p)
+        return out, p
+
+    @staticmethod
+    def backward(ctx, d_out, _):
+        q, k, v, out = ctx.saved_tensors
+        scale = ctx.geometry[0]
+        p = _compressed_probs(q, k, *ctx.geometry)
+        dv = torch.bmm(p.transpose(1, 2), d_out)
+        dp = torch.bmm(d_out, v.transpose(1, 2))  # (N, T, C)
+        dlogits = dp.sub_((d_out * out).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward, scaled
+        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None
+
+
+def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """attention.compressed_attention through `CompressedAttention` (float32; scale a float),
+    for nsa's chunks of queries: a chunk needs no checkpoint, the function keeps O(T D)."""
+    with torch.autocast(q.device.type, enabled=False):
+        B, H, T, D = q.shape
+        q, k, v = _float32(q, expand_kv(k_cmp, H), expand_kv(v_cmp, H))
+        out, p = CompressedAttention.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), float(scale),
+                                           q_start, length, stride)
+        return out.view(B, H, T, -1), p.view(B, H, T, -1)
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: selected keys
