@@ -690,11 +690,21 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     groups = [(g, rows) for g, rows in enumerate(q_rows.split(sizes)) if len(rows)]
     logits = torch.cat([rows @ keys[g].T for g, rows in groups]) if groups else q_rows.new_zeros(0, block)
     full = logits.new_full((B * H * T * n, block), NEG_INF).index_copy(0, pair, logits)  # (BHTn, block)
-    pos = blocks[..., None] * block + torch.arange(block, device=q.device)  # (B, H, T, n, block)
-    q_pos = first + off + torch.arange(T, device=q.device)[:, None, None]  # (T, 1, 1)
-    mask = (ok[..., None] & (pos <= q_pos) & (pos >= first) & (pos < first + S)).view(B, H, T, n * block)
-    some = mask.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
-    p = torch.softmax(full.view(B, H, T, n * block).masked_fill(~mask, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    # visible: key position blocks * block + j <= the query's (so < first + S too) and >= first;
+    # offsets into the block, (B, H, T, n), compared once with the block's (block,) positions
+    # instead of building the (B, H, T, n, block) positions
+    q_pos = first + off + torch.arange(T, device=q.device)[:, None]  # (T, 1)
+    inside = torch.arange(block, device=q.device)
+    hidden = ~ok[..., None] | (inside > (q_pos - blocks * block)[..., None])  # (B, H, T, n, block)
+    if before:  # keys of the first block that precede the first key
+        hidden |= inside < (first - blocks * block)[..., None]
+    hidden = hidden.view(B, H, T, n * block)
+    logits = full.view(B, H, T, n * block).masked_fill_(hidden, NEG_INF)  # in place: index_copy's output
+    if bool(hidden.all(-1).any()):  # a query with no visible key gets 0, as in the reference
+        some = ~hidden.all(-1, keepdim=True)
+        p = torch.softmax(logits.masked_fill(~some, 0.0), -1) * some
+    else:  # the usual case (the own block is always listed): no pass for it
+        p = torch.softmax(logits, -1)
     p_pairs = p.reshape(B * H * T * n, block).index_select(0, pair).split(sizes)  # per group
     outs = [p_pairs[g] @ values[g] for g, _ in groups]
     out = q.new_zeros(B * H * T, D)

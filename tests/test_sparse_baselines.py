@@ -318,6 +318,26 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     assert rel(flex, ref) < 1e-5
 
 
+def test_block_attention_with_no_visible_key_gives_zero():
+    """A query whose list holds no visible key (all slots empty, or only a block before the
+    first cached key) gets 0 and no NaN, on the blockwise path as in the reference."""
+    T, q_start, k_start, block = 20, 40, 36, 8
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, T, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(1, 2, q_start + T - k_start, 8, generator=g).requires_grad_() for _ in range(2))
+    blocks = random_blocks(1, 2, T, q_start, block, 2, 5)
+    blocks[:, :, 3] = -1  # nothing listed
+    blocks[:, 0, 7] = torch.tensor([3, -1])  # block 3 (positions 24 .. 31) ends before the first key (36)
+    blocks[:, 1, 9] = torch.tensor([7, 7])  # query 49 lists only a future block (56 .. 63), twice
+    cot = torch.randn(1, 2, T, 8, generator=g)
+    ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+    out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+    assert out[:, :, 3].abs().max() == out[:, 0, 7].abs().max() == out[:, 1, 9].abs().max() == 0
+    assert rel(out, ref) < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
+        assert rel(a, b) < 1e-4
+
+
 @pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp", nsa_kv="independent")),
                                         ("nsa", dict(nsa_branches="cmp,win")), ("moba", {})])
 def test_fused_and_flex_equal_the_reference(attn, flags):
