@@ -656,6 +656,62 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: block attention
 
+class BlockDispatch(torch.autograd.Function):
+    """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
+    key and value blocks kb, vb (G, block, D), pair (P,) indices into BHT * n sorted by group,
+    sizes (G,) pairs per group, hidden (BHT, n * block) True where a slot's key is not
+    visible. Forward: per group, its queries' rows @ its keys into the (BHT n, block) logits,
+    one softmax per query (0 for a query that sees no key), per group its probabilities @ its
+    values added into the outputs. Keeps the probabilities (BHT, n * block); the backward
+    runs the same loops over the groups. Why a Function: autograd over the per-group
+    matmuls kept the gathered (P, D) query rows and concatenated every group's logits,
+    outputs and gradients (aten::cat, index_select and copy_ were half of the op's time at
+    T = 8192); here each group's rows are gathered where they are used and its results go
+    straight into place."""
+
+    @staticmethod
+    def forward(ctx, q, kb, vb, pair, sizes, hidden):
+        n = hidden.shape[1] // kb.shape[1]
+        groups = [(g, idx, idx // n) for g, idx in enumerate(pair.split(sizes)) if len(idx)]
+        logits = q.new_full((hidden.numel() // kb.shape[1], kb.shape[1]), NEG_INF)  # (BHT n, block)
+        for g, idx, rows in groups:
+            logits.index_copy_(0, idx, q.index_select(0, rows) @ kb[g].T)
+        logits = logits.view(hidden.shape).masked_fill_(hidden, NEG_INF)  # (BHT, n * block)
+        empty = hidden.all(-1)  # a query with no visible key gets 0, as in the reference
+        if bool(empty.any()):
+            logits[empty] = 0.0
+        p = torch.softmax(logits, -1)
+        if bool(empty.any()):
+            p[empty] = 0.0
+        p_pairs = p.view(-1, kb.shape[1])
+        out = torch.zeros_like(q)
+        for g, idx, rows in groups:
+            out.index_add_(0, rows, p_pairs.index_select(0, idx) @ vb[g])
+        ctx.save_for_backward(q, kb, vb, p)
+        ctx.groups = groups
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, kb, vb, p = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        block = kb.shape[1]
+        p_pairs = p.view(-1, block)
+        dq, dkb, dvb = torch.zeros_like(q), torch.zeros_like(kb), torch.zeros_like(vb)
+        dp = torch.zeros_like(p_pairs)  # (BHT n, block): 0 where no pair
+        for g, idx, rows in ctx.groups:
+            d_out_g = d_out.index_select(0, rows)
+            torch.mm(p_pairs.index_select(0, idx).T, d_out_g, out=dvb[g])
+            dp.index_copy_(0, idx, d_out_g @ vb[g].T)
+        dp = dp.view(p.shape)
+        dlogits = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).view(-1, block)  # softmax's backward
+        for g, idx, rows in ctx.groups:
+            dlogits_g = dlogits.index_select(0, idx)
+            dq.index_add_(0, rows, dlogits_g @ kb[g])
+            torch.mm(dlogits_g.T, q.index_select(0, rows), out=dkb[g])
+        return dq, dkb, dvb, None, None, None
+
+
 def block_dispatch(q, k, v, blocks, off, block, first):
     """attention.block_attention for q (B, H, T, D) already scaled and k, v (B, H, S, D)
     whose key s sits at absolute position first + s, query t at first + off + t. blocks
@@ -669,7 +725,7 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     one softmax per query over its n * block logits, and per group (pairs, block) @
     (block, D) into the outputs. Time O(T n block D) in matmuls plus a Python loop over the
     (batch, head, block) groups; memory O(T n block) for the logits and probabilities, never
-    (T, S). Splits and unbinds, not slices, so the backward builds each gradient once."""
+    (T, S). The routing is computed here, the attention over the groups is `BlockDispatch`."""
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
@@ -685,11 +741,6 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     order = torch.argsort(group.flatten()[pair], stable=True)
     pair = pair[order]
     sizes = torch.bincount(group.flatten()[pair], minlength=B * H * nb).tolist()  # pairs per group
-    q_rows = q.reshape(B * H * T, D).index_select(0, pair // n)  # (P, D)
-    keys, values = kb.reshape(B * H * nb, block, D).unbind(0), vb.reshape(B * H * nb, block, D).unbind(0)
-    groups = [(g, rows) for g, rows in enumerate(q_rows.split(sizes)) if len(rows)]
-    logits = torch.cat([rows @ keys[g].T for g, rows in groups]) if groups else q_rows.new_zeros(0, block)
-    full = logits.new_full((B * H * T * n, block), NEG_INF).index_copy(0, pair, logits)  # (BHTn, block)
     # visible: key position blocks * block + j <= the query's (so < first + S too) and >= first;
     # offsets into the block, (B, H, T, n), compared once with the block's (block,) positions
     # instead of building the (B, H, T, n, block) positions
@@ -698,18 +749,8 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     hidden = ~ok[..., None] | (inside > (q_pos - blocks * block)[..., None])  # (B, H, T, n, block)
     if before:  # keys of the first block that precede the first key
         hidden |= inside < (first - blocks * block)[..., None]
-    hidden = hidden.view(B, H, T, n * block)
-    logits = full.view(B, H, T, n * block).masked_fill_(hidden, NEG_INF)  # in place: index_copy's output
-    if bool(hidden.all(-1).any()):  # a query with no visible key gets 0, as in the reference
-        some = ~hidden.all(-1, keepdim=True)
-        p = torch.softmax(logits.masked_fill(~some, 0.0), -1) * some
-    else:  # the usual case (the own block is always listed): no pass for it
-        p = torch.softmax(logits, -1)
-    p_pairs = p.reshape(B * H * T * n, block).index_select(0, pair).split(sizes)  # per group
-    outs = [p_pairs[g] @ values[g] for g, _ in groups]
-    out = q.new_zeros(B * H * T, D)
-    if outs:
-        out = out.index_add(0, pair // n, torch.cat(outs))
+    out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
+                              pair, sizes, hidden.view(B * H * T, n * block))
     return out.view(B, H, T, D)
 
 
