@@ -396,10 +396,18 @@ def jobs(args):
         found.append(("long", f"long {name} seed 0", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
     for name, attn, flags in TEXT_CONFIGS:
         o = out / "cost" / name
-        cmd = text_command(attn, flags, 0, o, args.data_dir, kernel, max_steps=COST_STEPS,
-                           eval_every=COST_STEPS, ckpt_every=COST_STEPS)
+        cmd = cost_command(attn, flags, o, args.data_dir, kernel)
         found.append(("cost", f"cost {name}", o, name, attn, flags, lambda c=cmd, o=o: train(c, o)))
     return found
+
+
+def cost_command(attn, flags, out_dir, data_dir, kernel):
+    """A cost run: COST_STEPS steps at seed 0. The indexer's steps are timed sparse: its dense
+    warm-up is a short start of a real run (and longer than COST_STEPS); a configuration's own
+    indexer_warmup still wins."""
+    warm = {"indexer_warmup": 0} if attn == "indexer" else {}
+    return text_command(attn, flags, 0, out_dir, data_dir, kernel, max_steps=COST_STEPS,
+                        eval_every=COST_STEPS, ckpt_every=COST_STEPS, **warm)
 
 
 def window_run_name(w):

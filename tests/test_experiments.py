@@ -219,6 +219,20 @@ def test_sweep_runs_every_configuration_with_paired_seeds(tmp_path):
     assert runs[0] == ("recall", "full_s0") and runs[1] == ("recall", "local_s0")
 
 
+def test_every_cost_command_passes_train_pys_checks():
+    """A cost run is COST_STEPS steps: a flag bounded by max_steps (the indexer's dense
+    warm-up, 50 steps by default) must fit, or the sweep stops at that run."""
+    from train import TrainConfig
+
+    for name, attn, flags in sweep.TEXT_CONFIGS:
+        cmd = sweep.cost_command(attn, flags, Path("o"), Path("d"), "fused")
+        args = dict(a[2:].split("=", 1) for a in cmd[2:])
+        assert int(args["max_steps"]) == sweep.COST_STEPS
+        if attn == "indexer":
+            warmup = int(args.get("indexer_warmup", TrainConfig.indexer_warmup))
+            assert 0 <= warmup <= int(args["max_steps"]), (name, warmup)
+
+
 def test_long_pair_sentence_names_the_step_from_which_full_stays_ahead():
     f = {"evals": [(0, 5.5), (1000, 2.5), (2000, 2.3), (3000, 2.1), (4000, 2.0)], "final_val": 2.0}
     l = {"evals": [(0, 5.5), (1000, 2.4), (2000, 2.35), (3000, 2.05), (4000, 2.1)], "final_val": 2.1}
