@@ -857,19 +857,21 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: nsa's compressed keys
 
-def _compressed_probs(q, k, scale, q_start, length, stride):
-    """(N, T, C) float32 probabilities of attention.compressed_attention for q (N, T, D), k
-    (N, C, D): one matmul, the invisible keys set to -inf in place, one softmax, the rows
-    that see no key set to 0 (the first length - 1 positions: all -inf gives NaN)."""
-    T, C = q.shape[1], k.shape[1]
-    logits = torch.bmm(q * scale, k.transpose(1, 2))  # (N, T, C)
+def _compressed_probs(q, k, scale, q_start, length, stride, group):
+    """(N, G T, C) float32 probabilities of attention.compressed_attention for q (N, G T, D),
+    the G = group query heads of a key head stacked along the rows, k (N, C, D): one matmul,
+    the invisible keys set to -inf in place, one softmax, the rows that see no key set to 0
+    (the first length - 1 positions: all -inf gives NaN)."""
+    N, rows, C = q.shape[0], q.shape[1], k.shape[1]
+    T = rows // group
+    logits = torch.bmm(q * scale, k.transpose(1, 2))  # (N, G T, C)
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     hidden = torch.arange(C, device=q.device) * stride + length - 1 > q_pos  # (T, C): not yet complete
-    p = torch.softmax(logits.masked_fill_(hidden, NEG_INF), dim=-1)
+    p = torch.softmax(logits.view(N, group, T, C).masked_fill_(hidden, NEG_INF), dim=-1)
     empty = min(T, max(0, length - 1 - q_start))  # queries before the first complete compressed key
     if empty:
-        p[:, :empty] = 0.0
-    return p
+        p[:, :, :empty] = 0.0
+    return p.view(N, rows, C)
 
 
 class CompressedAttention(torch.autograd.Function):
@@ -883,11 +885,11 @@ class CompressedAttention(torch.autograd.Function):
     chunk per direction; here the masking is one in-place pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, q_start, length, stride):
-        p = _compressed_probs(q, k, scale, q_start, length, stride)
+    def forward(ctx, q, k, v, scale, q_start, length, stride, group):
+        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
         out = torch.bmm(p, v)
         ctx.save_for_backward(q, k, v, out)
-        ctx.geometry = scale, q_start, length, stride
+        ctx.geometry = scale, q_start, length, stride, group
         ctx.mark_non_differentiable(p)
         return out, p
 
@@ -899,17 +901,22 @@ class CompressedAttention(torch.autograd.Function):
         dv = torch.bmm(p.transpose(1, 2), d_out)
         dp = torch.bmm(d_out, v.transpose(1, 2))  # (N, T, C)
         dlogits = dp.sub_((d_out * out).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward, scaled
-        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None
+        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None, None
 
 
 def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
     """attention.compressed_attention through `CompressedAttention` (float32; scale a float),
-    for nsa's chunks of queries: a chunk needs no checkpoint, the function keeps O(T D)."""
+    for nsa's chunks of queries: a chunk needs no checkpoint, the function keeps O(T D). The
+    query heads of a key head are stacked along the rows, so k_cmp and v_cmp enter as views:
+    nsa's chunks each keep the compressed keys they see, and copies (expand_kv) would make
+    that (T / chunk) * C * D, quadratic in T."""
     with torch.autocast(q.device.type, enabled=False):
         B, H, T, D = q.shape
-        q, k, v = _float32(q, expand_kv(k_cmp, H), expand_kv(v_cmp, H))
-        out, p = CompressedAttention.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), float(scale),
-                                           q_start, length, stride)
+        Hkv = k_cmp.shape[1]
+        q, k, v = _float32(q, k_cmp, v_cmp)
+        q = q.reshape(B * Hkv, H // Hkv * T, D)  # (B Hkv, G T, D): a view when G = 1
+        out, p = CompressedAttention.apply(q, k.flatten(0, 1), v.flatten(0, 1), float(scale), q_start, length, stride,
+                                           H // Hkv)
         return out.view(B, H, T, -1), p.view(B, H, T, -1)
 
 

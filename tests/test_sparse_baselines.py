@@ -363,8 +363,8 @@ def test_fused_and_flex_equal_the_reference(attn, flags):
                 if b is None or b.abs().max() == 0:
                     assert a is None or a.abs().max() < 1e-6, (kernel, name)
                 elif name == "compress_mlp.k.2.bias":  # shifts every compressed key of a query's
-                    # softmax alike: its gradient is 0 but for rounding (~1e-6), so absolute
-                    assert (a - b).abs().max() < 1e-5, (kernel, name, T)
+                    # softmax alike: its gradient is 0 but for rounding (up to 1e-5 at T = 130)
+                    assert (a - b).abs().max() < 1e-4, (kernel, name, T)
                 else:
                     assert rel(a, b) < 1e-4, (kernel, name, T)
 
