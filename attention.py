@@ -758,11 +758,27 @@ def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
 def block_overlap(C, J, length, stride, block, device):
     """(C, J): positions compressed block i shares with selection block j, over the stride:
     [NSA] eq. 9 in its overlap reading ([xl]'s transform_score), the identity when
-    length = stride = block."""
+    length = stride = block. The readable definition: `block_scores` computes p @ it in O(C)."""
     start = torch.arange(C, device=device)[:, None] * stride
     first = torch.arange(J, device=device) * block
     shared = (torch.minimum(start + length, first + block) - torch.maximum(start, first)).clamp(min=0)
     return shared.float() / stride
+
+
+def block_scores(p_cmp, J, length, stride, block):
+    """(.., J) float: p_cmp (.., C) @ block_overlap(C, J, ...) without the (C, J) matrix
+    (eq. 9, the overlap reading), in O(C) per query instead of O(C J): at T = 8192 the
+    matmul was 4x the FLOPs of the compressed branch's own q k^T (J = T / block columns).
+    Compressed block i covers the stride-segments i .. i + length/stride - 1, each holding
+    stride positions worth p_i / stride each, so a segment's mass is the sum of the p_i that
+    cover it (a sliding sum of length/stride terms), and a selection block's score the sum of
+    its block/stride segments. Needs stride | length and stride | block (`check_nsa`)."""
+    covers, per_block = length // stride, block // stride
+    C = p_cmp.shape[-1]
+    segments = sum(F.pad(p_cmp, (shift, covers - 1 - shift)) for shift in range(covers))  # (.., C + covers - 1)
+    n = J * per_block  # segments inside blocks 0 .. J - 1: drop the rest, pad with empty ones
+    segments = segments[..., :n] if C + covers - 1 >= n else F.pad(segments, (0, n - (C + covers - 1)))
+    return segments.unflatten(-1, (J, per_block)).sum(-1)
 
 
 class NativeSparseAttention(CausalSelfAttention):
@@ -861,21 +877,33 @@ class NativeSparseAttention(CausalSelfAttention):
     def compressed_branch(self, q, k_cmp, v_cmp, q_start, S):
         """The compressed branch's output (B, H, T, D) and the blocks each query selects by its
         probabilities (B, H, T, n), a chunk of queries at a time (`SCORES` elements), each
-        chunk's attention checkpointed when it needs a gradient: C ~ T / stride compressed
-        keys per query would otherwise keep (T, C) per head, memory quadratic in T."""
+        chunk's attention recomputed in the backward (checkpointed, or kernels.py's
+        `CompressedAttention` on the CPU fused path): C ~ T / stride compressed
+        keys per query would otherwise keep (T, C) per head, memory quadratic in T. A chunk
+        takes only the compressed keys its last query can see (causal: the rest would be
+        masked), which halves the branch's work over a sequence."""
         cfg = self.cfg
+        l, d = cfg.nsa_cmp_block, cfg.nsa_cmp_stride
         k_cmp, v_cmp = self.compress(k_cmp, "k"), self.compress(v_cmp, "v")  # (B, Hkv, C, D)
         B, H, T, _ = q.shape
-        rows = max(1, self.SCORES // (B * H * max(1, k_cmp.shape[2])))
+        C = k_cmp.shape[2]
+        rows = max(1, self.SCORES // (B * H * max(1, C)))
 
-        def chunk(q_chunk, start):
-            return compressed_attention(q_chunk, k_cmp, v_cmp, self.scale, start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
+        # kernel='fused' on CPU: kernels.py's version, which recomputes its probabilities in its
+        # own backward (no checkpoint needed) and masks in place
+        fused = self.ops(q.device) is kernels.BLOCKWISE
+        attend = kernels.blockwise_compressed_attention if fused else compressed_attention
+
+        def chunk(q_chunk, k_seen, v_seen, start):
+            return attend(q_chunk, k_seen, v_seen, self.scale, start, l, d)
         run = chunk
-        if rows < T and torch.is_grad_enabled():
+        if rows < T and torch.is_grad_enabled() and not fused:
             run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
         outs, blocks = [], []
         for t0 in range(0, T, rows):
-            o_cmp, p_cmp = run(q[:, :, t0:t0 + rows], q_start + t0)
+            last = q_start + min(T, t0 + rows) - 1  # the chunk's last query position
+            seen = min(C, max(0, (last - l + 1) // d + 1))  # compressed keys i with i d + l - 1 <= last
+            o_cmp, p_cmp = run(q[:, :, t0:t0 + rows], k_cmp[:, :, :seen], v_cmp[:, :, :seen], q_start + t0)
             outs.append(o_cmp)
             blocks.append(self.select(p_cmp, q_start + t0, o_cmp.shape[2], S))
         return torch.cat(outs, 2), torch.cat(blocks, 2)
@@ -883,10 +911,10 @@ class NativeSparseAttention(CausalSelfAttention):
     def select(self, p_cmp, q_start, T, S):
         """(B, H, T, n) the blocks of nsa_block positions each query reads ([NSA] eqs. 8-12)."""
         cfg = self.cfg
-        B, H, _, C = p_cmp.shape
+        B, H = p_cmp.shape[:2]
         block = cfg.nsa_block
         J = ceil_div_int(q_start + T, block)  # blocks up to the last query's own
-        scores = p_cmp.detach() @ block_overlap(C, J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, block, p_cmp.device)
+        scores = block_scores(p_cmp.detach(), J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, block)  # p_cmp @ block_overlap
         Hkv = self.n_kv_head
         scores = scores.view(B, Hkv, H // Hkv, T, J).sum(2)  # eq. 10: one choice per key head
         own = torch.arange(q_start, q_start + T, device=p_cmp.device)[:, None] // block  # (T, 1)

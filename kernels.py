@@ -57,6 +57,10 @@ here and the loops write into float32 buffers):
   are grouped by the (batch, head, block) they chose, as a mixture of experts routes tokens;
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
+- nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
+  keys it can see (attention.compressed_attention, which also returns the probabilities that
+  select the blocks); the backward recomputes them. Not one of the shared ops: nsa's class
+  calls it for its chunks on this path.
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
@@ -652,6 +656,62 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: block attention
 
+class BlockDispatch(torch.autograd.Function):
+    """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
+    key and value blocks kb, vb (G, block, D), pair (P,) indices into BHT * n sorted by group,
+    sizes (G,) pairs per group, hidden (BHT, n * block) True where a slot's key is not
+    visible. Forward: per group, its queries' rows @ its keys into the (BHT n, block) logits,
+    one softmax per query (0 for a query that sees no key), per group its probabilities @ its
+    values added into the outputs. Keeps the probabilities (BHT, n * block); the backward
+    runs the same loops over the groups. Why a Function: autograd over the per-group
+    matmuls kept the gathered (P, D) query rows and concatenated every group's logits,
+    outputs and gradients (aten::cat, index_select and copy_ were half of the op's time at
+    T = 8192); here each group's rows are gathered where they are used and its results go
+    straight into place."""
+
+    @staticmethod
+    def forward(ctx, q, kb, vb, pair, sizes, hidden):
+        n = hidden.shape[1] // kb.shape[1]
+        groups = [(g, idx, idx // n) for g, idx in enumerate(pair.split(sizes)) if len(idx)]
+        logits = q.new_full((hidden.numel() // kb.shape[1], kb.shape[1]), NEG_INF)  # (BHT n, block)
+        for g, idx, rows in groups:
+            logits.index_copy_(0, idx, q.index_select(0, rows) @ kb[g].T)
+        logits = logits.view(hidden.shape).masked_fill_(hidden, NEG_INF)  # (BHT, n * block)
+        empty = hidden.all(-1)  # a query with no visible key gets 0, as in the reference
+        if bool(empty.any()):
+            logits[empty] = 0.0
+        p = torch.softmax(logits, -1)
+        if bool(empty.any()):
+            p[empty] = 0.0
+        p_pairs = p.view(-1, kb.shape[1])
+        out = torch.zeros_like(q)
+        for g, idx, rows in groups:
+            out.index_add_(0, rows, p_pairs.index_select(0, idx) @ vb[g])
+        ctx.save_for_backward(q, kb, vb, p)
+        ctx.groups = groups
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, kb, vb, p = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        block = kb.shape[1]
+        p_pairs = p.view(-1, block)
+        dq, dkb, dvb = torch.zeros_like(q), torch.zeros_like(kb), torch.zeros_like(vb)
+        dp = torch.zeros_like(p_pairs)  # (BHT n, block): 0 where no pair
+        for g, idx, rows in ctx.groups:
+            d_out_g = d_out.index_select(0, rows)
+            torch.mm(p_pairs.index_select(0, idx).T, d_out_g, out=dvb[g])
+            dp.index_copy_(0, idx, d_out_g @ vb[g].T)
+        dp = dp.view(p.shape)
+        dlogits = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).view(-1, block)  # softmax's backward
+        for g, idx, rows in ctx.groups:
+            dlogits_g = dlogits.index_select(0, idx)
+            dq.index_add_(0, rows, dlogits_g @ kb[g])
+            torch.mm(dlogits_g.T, q.index_select(0, rows), out=dkb[g])
+        return dq, dkb, dvb, None, None, None
+
+
 def block_dispatch(q, k, v, blocks, off, block, first):
     """attention.block_attention for q (B, H, T, D) already scaled and k, v (B, H, S, D)
     whose key s sits at absolute position first + s, query t at first + off + t. blocks
@@ -665,7 +725,7 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     one softmax per query over its n * block logits, and per group (pairs, block) @
     (block, D) into the outputs. Time O(T n block D) in matmuls plus a Python loop over the
     (batch, head, block) groups; memory O(T n block) for the logits and probabilities, never
-    (T, S). Splits and unbinds, not slices, so the backward builds each gradient once."""
+    (T, S). The routing is computed here, the attention over the groups is `BlockDispatch`."""
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
@@ -681,21 +741,16 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     order = torch.argsort(group.flatten()[pair], stable=True)
     pair = pair[order]
     sizes = torch.bincount(group.flatten()[pair], minlength=B * H * nb).tolist()  # pairs per group
-    q_rows = q.reshape(B * H * T, D).index_select(0, pair // n)  # (P, D)
-    keys, values = kb.reshape(B * H * nb, block, D).unbind(0), vb.reshape(B * H * nb, block, D).unbind(0)
-    groups = [(g, rows) for g, rows in enumerate(q_rows.split(sizes)) if len(rows)]
-    logits = torch.cat([rows @ keys[g].T for g, rows in groups]) if groups else q_rows.new_zeros(0, block)
-    full = logits.new_full((B * H * T * n, block), NEG_INF).index_copy(0, pair, logits)  # (BHTn, block)
-    pos = blocks[..., None] * block + torch.arange(block, device=q.device)  # (B, H, T, n, block)
-    q_pos = first + off + torch.arange(T, device=q.device)[:, None, None]  # (T, 1, 1)
-    mask = (ok[..., None] & (pos <= q_pos) & (pos >= first) & (pos < first + S)).view(B, H, T, n * block)
-    some = mask.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
-    p = torch.softmax(full.view(B, H, T, n * block).masked_fill(~mask, NEG_INF).masked_fill(~some, 0.0), -1) * some
-    p_pairs = p.reshape(B * H * T * n, block).index_select(0, pair).split(sizes)  # per group
-    outs = [p_pairs[g] @ values[g] for g, _ in groups]
-    out = q.new_zeros(B * H * T, D)
-    if outs:
-        out = out.index_add(0, pair // n, torch.cat(outs))
+    # visible: key position blocks * block + j <= the query's (so < first + S too) and >= first;
+    # offsets into the block, (B, H, T, n), compared once with the block's (block,) positions
+    # instead of building the (B, H, T, n, block) positions
+    q_pos = first + off + torch.arange(T, device=q.device)[:, None]  # (T, 1)
+    inside = torch.arange(block, device=q.device)
+    hidden = ~ok[..., None] | (inside > (q_pos - blocks * block)[..., None])  # (B, H, T, n, block)
+    if before:  # keys of the first block that precede the first key
+        hidden |= inside < (first - blocks * block)[..., None]
+    out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
+                              pair, sizes, hidden.view(B * H * T, n * block))
     return out.view(B, H, T, D)
 
 
@@ -798,6 +853,71 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
         H = q.shape[1]
         q, k, v = _float32(q * scale, expand_kv(k, H), expand_kv(v, H))
         return block_dispatch(q, k, v, blocks, off, block, k_start)
+
+
+# ---------------------------------------------------------------------------- BLOCKWISE: nsa's compressed keys
+
+def _compressed_probs(q, k, scale, q_start, length, stride, group):
+    """(N, G T, C) float32 probabilities of attention.compressed_attention for q (N, G T, D),
+    the G = group query heads of a key head stacked along the rows, k (N, C, D): one matmul,
+    the invisible keys set to -inf in place, one softmax, the rows that see no key set to 0
+    (the first length - 1 positions: all -inf gives NaN)."""
+    N, rows, C = q.shape[0], q.shape[1], k.shape[1]
+    T = rows // group
+    logits = torch.bmm(q * scale, k.transpose(1, 2))  # (N, G T, C)
+    q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    hidden = torch.arange(C, device=q.device) * stride + length - 1 > q_pos  # (T, C): not yet complete
+    p = torch.softmax(logits.view(N, group, T, C).masked_fill_(hidden, NEG_INF), dim=-1)
+    empty = min(T, max(0, length - 1 - q_start))  # queries before the first complete compressed key
+    if empty:
+        p[:, :, :empty] = 0.0
+    return p.view(N, rows, C)
+
+
+class CompressedAttention(torch.autograd.Function):
+    """attention.compressed_attention for q (N, T, D), k, v (N, C, D) in float32: returns the
+    output (N, T, D) and the probabilities (N, T, C), the latter without a gradient (nsa
+    uses them only to select blocks, a discrete choice). Keeps q, k, v and the output; the
+    backward recomputes the probabilities once ([Flash]'s recomputation) and uses
+    rowsum(dO * O) for the softmax's backward. Why not attention.py's function under a
+    checkpoint (what ran before): the checkpoint recomputed the output too, and the
+    reference's out-of-place masks and zero-row handling made five passes over each (T, C)
+    chunk per direction; here the masking is one in-place pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, q_start, length, stride, group):
+        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
+        out = torch.bmm(p, v)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.geometry = scale, q_start, length, stride, group
+        ctx.mark_non_differentiable(p)
+        return out, p
+
+    @staticmethod
+    def backward(ctx, d_out, _):
+        q, k, v, out = ctx.saved_tensors
+        scale = ctx.geometry[0]
+        p = _compressed_probs(q, k, *ctx.geometry)
+        dv = torch.bmm(p.transpose(1, 2), d_out)
+        dp = torch.bmm(d_out, v.transpose(1, 2))  # (N, T, C)
+        dlogits = dp.sub_((d_out * out).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward, scaled
+        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None, None
+
+
+def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """attention.compressed_attention through `CompressedAttention` (float32; scale a float),
+    for nsa's chunks of queries: a chunk needs no checkpoint, the function keeps O(T D). The
+    query heads of a key head are stacked along the rows, so k_cmp and v_cmp enter as views:
+    nsa's chunks each keep the compressed keys they see, and copies (expand_kv) would make
+    that (T / chunk) * C * D, quadratic in T."""
+    with torch.autocast(q.device.type, enabled=False):
+        B, H, T, D = q.shape
+        Hkv = k_cmp.shape[1]
+        q, k, v = _float32(q, k_cmp, v_cmp)
+        q = q.reshape(B * Hkv, H // Hkv * T, D)  # (B Hkv, G T, D): a view when G = 1
+        out, p = CompressedAttention.apply(q, k.flatten(0, 1), v.flatten(0, 1), float(scale), q_start, length, stride,
+                                           H // Hkv)
+        return out.view(B, H, T, -1), p.view(B, H, T, -1)
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: selected keys
