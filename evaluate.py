@@ -198,8 +198,16 @@ def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=
     """loss_by_position at each factor x trained_len on data_dir's val shards -> a list of
     its results (skipped lengths included, with why), after printing one line per length."""
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
+    n_ids = data.TOKENIZERS.get(tokenizer, (0,))[0]
     try:
+        if vocab and vocab < n_ids:  # e.g. byte shards in a folder without tokenizer.json
+            raise EvalError(f"the model embeds {vocab} token ids, fewer than the {n_ids} of the {tokenizer} tokens "
+                            f"that {data_dir} is taken to hold (no tokenizer.json there?); record the folder's "
+                            f"tokenizer with data.write_tokenizer (`python data.py` writes it)")
         bytes_per_token = token_bytes(tokenizer, vocab) if vocab else None
+    except EvalError as e:
+        bytes_per_token = None
+        log(f"bits per byte: skipped: {e}")
     except OSError as e:  # tiktoken downloads GPT-2's BPE files on first use: offline, it cannot
         bytes_per_token = None
         log(f"bits per byte: skipped: GPT-2's BPE files could not be loaded ({type(e).__name__}); connect "

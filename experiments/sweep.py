@@ -103,6 +103,10 @@ TEXT = dict(model="tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv
             mlp_hidden=384, window=64, dsa_threshold=128, caa_window_max=128,
             seq_len=512, batch_size=2, total_batch_tokens=1024, lr=3e-3, warmup_steps=20,
             max_steps=500, eval_every=100, val_tokens=16384, gate_batch=2, ckpt_every=100,
+            # the final evaluation (evaluate.py): loss by position and bits per byte on 64 val
+            # sequences at 1x, 2x and 4x seq_len (train.py's default of 8 leaves 95% intervals
+            # of ~0.15 nats on the whole-sequence mean; the paired differences need fewer)
+            eval_seqs=64,
             # nsa: lucidrains' byte-level enwik8 setting at T = 512 (baselines.md 1.5): compressed
             # blocks of 16 every 8, 4 selected blocks of 16 (3 forced), a window of W; moba: 4
             # blocks of 16 (its own + 3) = W keys; indexer: the top W keys (index_topk = 0),

@@ -3,11 +3,12 @@
     python experiments/text_data.py --source=train.jsonl --val_source=val.jsonl --out_dir=experiments/data/text
 
 This writes them itself with data.py's shard writer (data.ShardWriter, data.write_shard: the
-llm.c layout, uint16 tokens), because data.py has no `--tokenizer=byte` yet; this project's
-choice here: each document starts with byte 0 (NUL, which UTF-8 text does not contain) as its
-end-of-text marker. To switch to data.py once it has the flag, set WRITER = "data.py" (make()
-then runs `data.py --tokenizer=byte`) - and re-run every text run, since the shards (document
-marker, val split) may differ: runs made from two shard sets must not share a table.
+llm.c layout, uint16 tokens): the study's shards were made so before data.py had
+`--tokenizer=byte`, and the committed runs were trained on them. Each document starts with
+byte 0 (NUL, data.BYTE_EOT, as data.py's byte tokenizer does) as its end-of-text marker, and
+the folder's tokenizer.json says "byte". To switch to data.py, set WRITER = "data.py" (make()
+then runs `data.py --tokenizer=byte`) - and re-run every text run, since the shards (val
+split, shard sizes) may differ: runs made from two shard sets must not share a table.
 """
 import argparse
 import json
@@ -20,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from data import ShardWriter, iter_local_documents  # noqa: E402
+from data import BYTE_EOT, TOKENIZER_FILE, ShardWriter, iter_local_documents, write_tokenizer  # noqa: E402
 
 SHARD_TOKENS = 10_000_000
 WRITER = "experiments"  # "experiments": write_byte_shards below | "data.py": data.py --tokenizer=byte
@@ -33,8 +34,8 @@ def data_py_has_byte_tokenizer():
 
 
 def encode(text):
-    """One document -> uint16 bytes, NUL first (the document boundary)."""
-    return np.frombuffer(b"\0" + text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    """One document -> uint16 bytes, NUL first (the document boundary: data.BYTE_EOT)."""
+    return np.frombuffer(bytes([BYTE_EOT]) + text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
 def write_byte_shards(source, val_source, out_dir, val_tokens, max_tokens):
@@ -62,11 +63,16 @@ def write_byte_shards(source, val_source, out_dir, val_tokens, max_tokens):
 
 
 def make(source, val_source, out_dir, val_tokens=262_144, max_tokens=12_000_000):
-    """The byte shards in out_dir, made once (a marker records how)."""
+    """The byte shards in out_dir, made once (a marker records how), with the tokenizer.json
+    that tells train.py and evaluate.py they hold bytes (a folder made before this wrote one
+    gets it here: without it data.tokenizer_of reads the folder as GPT-2 tokens, and bits per
+    byte is lost)."""
     marker = Path(out_dir) / MARKER
     want = {"tokenizer": "byte", "source": Path(source).name, "val_source": Path(val_source).name,
             "val_tokens": val_tokens, "max_tokens": max_tokens, "writer": WRITER}
     if marker.exists() and json.loads(marker.read_text()).get("request") == want:
+        if not (Path(out_dir) / TOKENIZER_FILE).exists():
+            write_tokenizer(out_dir, "byte", 256)
         return
     if WRITER == "data.py":
         if not data_py_has_byte_tokenizer():
@@ -78,6 +84,7 @@ def make(source, val_source, out_dir, val_tokens=262_144, max_tokens=12_000_000)
     else:
         counts = write_byte_shards(source, val_source, out_dir, val_tokens, max_tokens)
         made_by = f"experiments/text_data.py ({counts['train']:,} train + {counts['val']:,} val bytes)"
+    write_tokenizer(out_dir, "byte", 256)
     marker.write_text(json.dumps({"request": want, "made_by": made_by}))
 
 

@@ -304,9 +304,29 @@ def test_offline_gpt2_bpe_skips_bits_per_byte_but_keeps_loss_by_position(tmp_pat
     monkeypatch.setattr(evaluate, "token_bytes", offline)
     lines = []
     torch.manual_seed(0)
-    model = Model(ModelConfig(**TINY_BYTES))
+    model = Model(ModelConfig(**{**TINY_BYTES, "vocab_size": 50257}))  # GPT-2's ids
     record = evaluate.evaluate_model(model, data_dir=str(shards), tokenizer="gpt2", trained_len=64, n_seq=2,
                                      log=lines.append)
     assert record["positions"][0]["n_seq"] == 2 and record["nats_per_token"] > 0
     assert record["bits_per_byte"] is None
     assert sum("bits per byte: skipped" in line and "TIKTOKEN_CACHE_DIR" in line for line in lines) == 1
+
+
+def test_a_byte_model_on_a_folder_read_as_gpt2_gets_no_wrong_bits_per_byte(tmp_path):
+    """A folder without tokenizer.json is read as GPT-2 tokens (data.tokenizer_of); a model that
+    embeds only 256 ids cannot have been trained on them, so bits per byte (which would count
+    each id's GPT-2 text) is skipped with one line naming the missing record; the loss by
+    position is still kept."""
+    shards = tmp_path / "unlabelled"
+    shards.mkdir()
+    rng = np.random.default_rng(0)
+    data.write_shard(str(shards / "t_val_000000.bin"), rng.integers(1, 256, 600).astype(np.uint16))
+    assert data.tokenizer_of(str(shards))[0] == "gpt2"
+    lines = []
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**TINY_BYTES))
+    record = evaluate.evaluate_model(model, data_dir=str(shards), tokenizer="gpt2", trained_len=64, n_seq=2,
+                                     log=lines.append)
+    assert record["positions"][0]["n_seq"] == 2 and record["nats_per_token"] > 0
+    assert record["bits_per_byte"] is None
+    assert sum("bits per byte: skipped" in line and "tokenizer.json" in line for line in lines) == 1

@@ -108,6 +108,19 @@ def test_byte_shards(tmp_path):
     assert counts == {"val": 5, "train": len(train)}
 
 
+def test_byte_shards_record_their_tokenizer(tmp_path):
+    """The study's byte folder says it holds bytes (else data.tokenizer_of reads it as GPT-2
+    and evaluate.py loses bits per byte), also when it was made before the record existed."""
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"text": "a few bytes of text"}) + "\n")
+    out = tmp_path / "out"
+    text_data.make(str(src), str(src), str(out), val_tokens=8, max_tokens=40)
+    assert data.tokenizer_of(str(out)) == ("byte", 256)
+    (out / data.TOKENIZER_FILE).unlink()  # a folder from before: shards and marker only
+    text_data.make(str(src), str(src), str(out), val_tokens=8, max_tokens=40)
+    assert data.tokenizer_of(str(out)) == ("byte", 256)
+
+
 def test_paired_runs_train_py(tmp_path, capsys):
     """paired.py drives train.py's own parse_args and main: a dry run of it plans the run,
     through the paired Model (the plan counts its parameters)."""
