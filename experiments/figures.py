@@ -4,6 +4,8 @@
                               and its paired difference from `full` at each evaluation
     assets/study_window.png   `local`'s paired Δ from `full` against the window W (95% intervals)
     assets/study_recall.png   recall accuracy by lag, a panel per family beside full and local, chance line
+    assets/study_positions.png loss by position of the final evaluation's longest sequences (4x
+                              the trained length), and each variant's paired difference from `full`
 
 `python experiments/sweep.py --results_only` redraws them.
 """
@@ -119,7 +121,64 @@ def recall_figure(rec, path):
     plt.close(fig)
 
 
-def all_figures(out, assets, stats, windows, rec, configs):
+def _longest(ev):
+    """The eval.json record's longest evaluated length: (seq_len, buckets), or None."""
+    done = [r for r in (ev or {}).get("positions") or [] if "buckets" in r]
+    return (done[-1]["seq_len"], done[-1]["buckets"]) if done else None
+
+
+def positions_figure(stats, configs, trained_len, path):
+    """Left: `full`'s and `local`'s loss by position (seed mean, band = min..max over seeds) on
+    the final evaluation's longest sequences; right: each variant's (configuration names
+    without '_': no ablations) paired difference from `full`, seed mean. Positions are causal,
+    so those up to the trained length (dashed line) see what they saw in training."""
+    full = stats.get("full")
+    if not full:
+        return False
+    full_ev = {seed: _longest(r.get("eval")) for seed, r in full["runs"].items()}
+    full_ev = {seed: v for seed, v in full_ev.items() if v}
+    if not full_ev:
+        return False
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    drawn = False
+    for name, *_ in configs:
+        s = stats.get(name)
+        if s is None or "_" in name:
+            continue
+        mine = {seed: _longest(r.get("eval")) for seed, r in s["runs"].items()}
+        seeds = [seed for seed, v in mine.items() if v and seed in full_ev and v[0] == full_ev[seed][0]]
+        if not seeds:
+            continue
+        buckets = mine[seeds[0]][1]
+        x = [(b["first"] * b["last"]) ** 0.5 for b in buckets]
+        style = dict(color="black", lw=2) if name == "full" else dict(color="gray", lw=2) if name == "local" \
+            else dict(lw=1.2)
+        if name in ("full", "local"):
+            vals = [[mine[seed][1][i]["mean"] for seed in seeds] for i in range(len(buckets))]
+            line, = left.plot(x, [sum(v) / len(v) for v in vals], marker=".", label=f"{name} ({len(seeds)} seeds)", **style)
+            left.fill_between(x, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.2)
+        if name != "full":
+            d = [[mine[seed][1][i]["mean"] - full_ev[seed][1][i]["mean"] for seed in seeds] for i in range(len(buckets))]
+            right.plot(x, [sum(v) / len(v) for v in d], marker=".", label=name, **style)
+            drawn = True
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.axvline(trained_len, color="gray", ls="--", lw=1)
+        ax.set_xlabel(f"position (bytes of context; buckets 1, 2-3, 4-7, ...; dashed: trained length {trained_len})")
+        ax.legend(fontsize=7)
+    right.axhline(0, color="black", lw=1)
+    left.set_ylabel("val loss (nats / byte)")
+    right.set_ylabel("paired Δ vs full (seed mean)")
+    left.set_title("loss by position")
+    right.set_title("difference from full by position")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def all_figures(out, assets, stats, windows, rec, configs, trained_len=None):
     assets = Path(assets)
     assets.mkdir(exist_ok=True)
     if any(stats.values()):
@@ -128,3 +187,5 @@ def all_figures(out, assets, stats, windows, rec, configs):
         window_figure(windows, assets / "study_window.png")
     if rec:
         recall_figure(rec, assets / "study_recall.png")
+    if trained_len and any(stats.values()):
+        positions_figure(stats, configs, trained_len, assets / "study_positions.png")

@@ -494,12 +494,15 @@ def read_log(run_dir):
 
 
 def text_runs(out, name):
-    """{seed: read_log} of the finished text runs of one configuration."""
+    """{seed: read_log} of the finished text runs of one configuration, with 'eval': the run's
+    final evaluation (eval.json: loss by position, bits per byte) or None."""
     runs = {}
     for seed in SEEDS:
         run = Path(out, "text", f"{name}_s{seed}")
         if recall.run_finished(run):
             runs[seed] = read_log(run)
+            ev = Path(run, "eval.json")
+            runs[seed]["eval"] = json.loads(ev.read_text()) if ev.exists() else None
     return runs
 
 
@@ -566,6 +569,135 @@ def config_stats(out, name, full_runs):
             "runs": runs, "command": command_of(out, name)}
 
 
+def position_ranges(T):
+    """[(label, length factor, first, last)]: the ranges of positions (1-based, both included,
+    unions of evaluate.position_buckets) that the loss-by-position table reports. At the trained
+    length T: the first 15 positions, 16-127 and 128-T; beyond it, the last bucket of the 2T
+    and 4T sequences (T..2T and 2T..4T: positions the model never saw in training)."""
+    return [("1–15", 1, 1, 15), ("16–127", 1, 16, 127), (f"128–{T}", 1, 128, T),
+            (f"{T}–{2 * T} at 2x", 2, T, 2 * T), (f"{2 * T}–{4 * T} at 4x", 4, 2 * T, 4 * T)]
+
+
+def range_loss(record, factor, first, last):
+    """Mean loss over positions first..last of an eval.json record's sequences at factor x
+    the trained length: its buckets inside the range, weighted by their widths (each bucket
+    mean is over the same sequences, so this is the mean over the range). None when that
+    length was not evaluated or its buckets do not tile the range exactly."""
+    for r in (record or {}).get("positions") or []:
+        if r.get("factor") != factor or "buckets" not in r:
+            continue
+        inside = [b for b in r["buckets"] if b["first"] >= first and b["last"] <= last]
+        width = sum(b["last"] - b["first"] + 1 for b in inside)
+        if width != last - first + 1:
+            return None
+        return sum(b["mean"] * (b["last"] - b["first"] + 1) for b in inside) / width
+    return None
+
+
+def position_stats(stats):
+    """{config: {'seeds', 'bpb', 'cells': [(mean, sd, hw) per column]}} from the final
+    evaluations of the paired text runs: bits per byte at T and its paired Δ from `full`, then
+    the paired Δ of the loss over each of position_ranges (seeds with both evals only; the
+    same val sequences for every run, so the seeds carry the training noise). `full`'s cells
+    are its own means."""
+    full = stats.get("full")
+    if not full:
+        return {}
+    T = TEXT["seq_len"]
+    ranges = position_ranges(T)
+
+    def columns(ev):
+        return [ev.get("bits_per_byte")] + [range_loss(ev, f, a, b) for _, f, a, b in ranges]
+
+    full_evals = {seed: r["eval"] for seed, r in full["runs"].items() if r.get("eval")}
+    full_cols = {seed: columns(ev) for seed, ev in full_evals.items()}
+
+    def same_sequences(ev, seed):  # an evaluation of other val sequences is not paired
+        return [r.get("n_seq") for r in ev.get("positions") or []] == \
+            [r.get("n_seq") for r in full_evals[seed].get("positions") or []]
+    found = {}
+    for name, s in stats.items():
+        if not s:
+            continue
+        mine = {seed: columns(r["eval"]) for seed, r in s["runs"].items()
+                if r.get("eval") and seed in full_evals and same_sequences(r["eval"], seed)}
+        seeds = sorted(mine)
+        if not seeds:
+            continue
+        cells = []
+        for i in range(len(ranges) + 1):
+            if name == "full":
+                vals = [mine[seed][i] for seed in seeds if mine[seed][i] is not None]
+                cells.append((statistics.fmean(vals), None, None) if vals else (None, None, None))
+            else:
+                d = [mine[seed][i] - full_cols[seed][i] for seed in seeds
+                     if mine[seed][i] is not None and full_cols[seed][i] is not None]
+                cells.append(paired(d))
+        bpb = [mine[seed][0] for seed in seeds if mine[seed][0] is not None]
+        found[name] = {"seeds": seeds, "bpb": statistics.fmean(bpb) if bpb else None, "cells": cells,
+                       "n_seq": s["runs"][seeds[0]]["eval"]["positions"][0].get("n_seq")}
+    return found
+
+
+def _cell(c, absolute=False):
+    mean, _, hw = c
+    if mean is None:
+        return "–"
+    if absolute:
+        return f"{mean:.4f}"
+    if hw is None:
+        return f"{mean:+.4f} (1 seed)"
+    text = f"{mean:+.4f} ± {hw:.4f}"
+    return f"**{text}**" if abs(mean) > hw else text
+
+
+def position_section(stats, link):
+    """RESULTS.md's loss by position and bits per byte (issue 21 item 5)."""
+    T = TEXT["seq_len"]
+    ranges = position_ranges(T)
+    pos = position_stats(stats)
+    L = ["## Loss by position and bits per byte: does any variant use distant context differently?", ""]
+    if not pos:
+        return L + [f"*{PENDING}* (the text runs' final evaluations, eval.json)", ""]
+    n_seq = max(p["n_seq"] or 0 for p in pos.values())
+    L += [f"Every text run above ends with evaluate.py's evaluation of its final weights (train.py "
+          f"`--eval_seqs={TEXT['eval_seqs']}`; again on a run's checkpoint: `python evaluate.py "
+          f"--ckpt=experiments/results/text/NAME_sSEED --n_seq={TEXT['eval_seqs']}`): the loss at each "
+          f"position of {n_seq} validation sequences of T = {T} bytes, and of {2 * T} and {4 * T} "
+          f"bytes (RoPE at positions the model was never trained on; a window or a sparse selection "
+          f"sees no more keys there, `full` sees all of them). Bits per byte: the summed loss over the "
+          f"text's UTF-8 bytes (the NUL before each document left out) / ln 2, at T. Columns: bits per "
+          f"byte, then the mean loss (nats per byte) over each range of positions; `full`'s row holds "
+          f"its own values, every other row the paired difference from `full` at the same seed, mean ± "
+          f"95% half-width over seeds (t with n - 1 degrees of freedom), **bold** where the interval "
+          f"excludes 0. The ranges beyond T are the last bucket of the longer sequences: T..2T of the "
+          f"{2 * T}-byte ones, 2T..4T of the {4 * T}-byte ones.", "",
+          "| config | seeds | bits/byte (Δ) | " + " | ".join(lab for lab, *_ in ranges) + " |",
+          "|---|---|---|" + "---|" * len(ranges)]
+    resolved = []
+    for name, *_ in TEXT_CONFIGS:
+        p = pos.get(name)
+        if p is None:
+            L.append(f"| {name} | – | – |" + " – |" * len(ranges))
+            continue
+        full_row = name == "full"
+        bpb = f"{p['bpb']:.4f}" + ("" if full_row else f" ({_cell(p['cells'][0])})") if p["bpb"] is not None else "–"
+        L.append(f"| {name} | {len(p['seeds'])} | {bpb} | " +
+                 " | ".join(_cell(c, full_row) for c in p["cells"][1:]) + " |")
+        if not full_row:
+            for (lab, *_), (mean, _, hw) in zip([("bits per byte",)] + ranges, p["cells"]):
+                if mean is not None and hw is not None and abs(mean) > hw:
+                    resolved.append(f"{name} {'above' if mean > 0 else 'below'} `full` at {lab} ({mean:+.4f} ± {hw:.4f})")
+    missing = [name for name, *_ in TEXT_CONFIGS if name not in pos]
+    L += ["", "Resolved (95% interval excludes 0): " + ("; ".join(resolved) + "." if resolved else
+          "none. No configuration's loss differs measurably from `full`'s over any range of positions, "
+          "near, far or beyond the trained length, nor in bits per byte.") +
+          (f" Not evaluated yet: {', '.join(missing)}." if missing else ""),
+          "", f"![loss by position at {4 * T} bytes, and each variant's paired difference from full]"
+              f"({link(ROOT / 'assets' / 'study_positions.png')})", ""]
+    return L
+
+
 def recall_results(out):
     """{config name: recall.json} of the scored recall runs (seed 0)."""
     found = {}
@@ -604,7 +736,7 @@ def write_results(out, md_path, figures=False):
     Path(md_path).write_text(text)
     if figures:
         import figures as figs
-        figs.all_figures(Path(out), ROOT / "assets", stats, windows, rec, TEXT_CONFIGS)
+        figs.all_figures(Path(out), ROOT / "assets", stats, windows, rec, TEXT_CONFIGS, TEXT["seq_len"])
     return stats, windows, rec
 
 
@@ -629,6 +761,7 @@ def results_markdown(out, md_dir):
     L += recall_grid.section(out / "recall_grid", link)
     L += window_section(windows, stats.get("full"), link)
     L += text_section(stats, link)
+    L += position_section(stats, link)
     L += paper_section(stats)
     L += later_baselines_section(stats, rec)
     L += scale_section(windows, rec, out)

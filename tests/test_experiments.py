@@ -199,6 +199,51 @@ def test_results_md_numbers_come_from_the_logs(tmp_path):
         assert number in allowed, number
 
 
+def _fake_eval(run, n_seq, value_at, bpb):
+    """eval.json as evaluate.py writes it, at 1x, 2x and 4x TEXT's seq_len, each bucket's mean
+    value_at(factor, first)."""
+    import evaluate
+    T = sweep.TEXT["seq_len"]
+    positions = [{"seq_len": f * T, "factor": f, "n_seq": n_seq, "bits_per_byte": bpb if f == 1 else None,
+                  "buckets": [{"first": a, "last": b, "mean": value_at(f, a), "ci95": 0.1}
+                              for a, b in evaluate.position_buckets(f * T)]} for f in (1, 2, 4)]
+    (run / "eval.json").write_text(json.dumps({"positions": positions, "bits_per_byte": bpb}))
+
+
+def test_loss_by_position_table_pairs_each_range_with_full(tmp_path):
+    """RESULTS.md's loss-by-position table: `full`'s own mean over each range (its buckets
+    weighted by their widths), every other configuration's paired Δ per seed range, bold and
+    listed where the 95% interval excludes 0; an evaluation of other sequences is not paired."""
+    T = sweep.TEXT["seq_len"]
+    late = {0: 0.1, 1: 0.2, 2: 0.3}  # dsa minus full over 128..T: mean 0.2, not resolved
+    for s in (0, 1, 2):
+        _fake_run(tmp_path, "full", s, [3.0, 2.5], [1, 1], [1, 1])
+        _fake_run(tmp_path, "dsa", s, [3.0, 2.5], [1, 1], [1, 1])
+        _fake_run(tmp_path, "local", s, [3.0, 2.5], [1, 1], [1, 1])
+        full_at = lambda f, a, s=s: 2.0 + 0.01 * s + (0.5 if a >= 256 else 0.0)  # noqa: E731
+        _fake_eval(tmp_path / "text" / f"full_s{s}", 64, full_at, 3.0 + s)
+        _fake_eval(tmp_path / "text" / f"dsa_s{s}", 64,
+                   lambda f, a, s=s, full_at=full_at: full_at(f, a) + (late[s] if f == 1 and a >= 128 else 0)
+                   + (0.5 if f == 4 and a >= 2 * T else 0), 3.1 + s)
+        _fake_eval(tmp_path / "text" / f"local_s{s}", 8, full_at, 3.0 + s)  # other sequences
+    md = sweep.results_markdown(tmp_path, tmp_path)[0]
+    section = md.split("## Loss by position")[1].split("\n## ")[0]
+    rows = {c[0]: c for c in ([x.strip() for x in line.split("|")[1:-1]] for line in section.splitlines()
+                             if line.startswith("| ") and not line.startswith("| config"))}
+    assert rows["full"][1] == "3" and rows["full"][2] == "4.0000"
+    # 128..T: the bucket 128-255 at 2.0 + 0.01 s and 256-T at 2.5 + 0.01 s, weighted 128 : 257
+    assert rows["full"][5] == f"{(2.01 * 128 + 2.51 * (T - 255)) / (T - 127):.4f}"
+    hw = 4.303 * 0.1 / 3 ** 0.5
+    assert rows["dsa"][2] == "4.1000 (**+0.1000 ± 0.0000**)"
+    assert rows["dsa"][3] == rows["dsa"][4] == "+0.0000 ± 0.0000"
+    assert rows["dsa"][5] == f"+0.2000 ± {hw:.4f}"  # 128..T: not resolved
+    assert rows["dsa"][6] == "+0.0000 ± 0.0000" and rows["dsa"][7] == "**+0.5000 ± 0.0000**"
+    assert rows["local"][1:] == ["–"] * 7
+    resolved = section.split("Resolved (95% interval excludes 0): ")[1].split("\n")[0]
+    assert "dsa above `full` at bits per byte" in resolved and f"dsa above `full` at {2 * T}–{4 * T} at 4x" in resolved
+    assert "128–" not in resolved and "Not evaluated yet: local" in resolved
+
+
 def test_committed_results_md_is_regenerated_from_committed_logs():
     """Every number in RESULTS.md comes from the committed run logs: rewriting it from
     experiments/results/ gives the committed file, byte for byte."""
