@@ -326,3 +326,20 @@ def test_later_baselines_section_puts_each_papers_results_beside_its_own_configs
     assert rows["indexer_nowarm"] == ["+0.0789 ± 0.5000", "no: not told apart", "pending", "0.333"]
     assert "orders of magnitude" in md and "only the direction is compared" in md
     assert "`full` 0.996" in md
+
+
+def test_resolved_summary_counts_what_each_instrument_separates():
+    """The generated sentence on what the study resolves: final-loss differences whose 95%
+    interval excludes 0, and recall accuracies below full's beyond their sampling interval."""
+    stats = {"full": {"delta": None, "hw": None, "runs": {}},
+             "dsa": {"delta": 0.05, "hw": 0.01, "runs": {}},  # resolved
+             "asga": {"delta": 0.01, "hw": 0.05, "runs": {}}}  # not
+    rec = {"full": {"overall": 0.99, "n_queries": 10000},
+           "near": {"overall": 0.989, "n_queries": 10000},  # 0.001 below: within the interval (~0.003)
+           "far": {"overall": 0.5, "n_queries": 10000}}
+    text = sweep.resolved_summary(stats, rec)[0]
+    assert "the final validation loss, 1 of 2 configurations (dsa (+0.0500 ± 0.0100))" in text
+    assert "the recall probe, 1 of 2 configurations below" in text
+    assert "separates no configuration" not in text
+    stats["dsa"]["delta"] = 0.005
+    assert "separates no configuration" in sweep.resolved_summary(stats, rec)[0]
