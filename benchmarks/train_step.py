@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 import attention  # noqa: E402
 import kernels  # noqa: E402
+from attention import rope_cos_sin  # noqa: E402
 from model import MODEL_FIELDS, PRESETS, Model, ModelConfig  # noqa: E402
 
 # (name, variant, flags): each flag that changes the cost of a step. Variants added to
@@ -188,8 +189,57 @@ def timing(shape, rows, rounds, steps):
                          cpu_seconds=[round(b, 4) for _, b in cpu], full_cpu_seconds=[round(a, 4) for a, _ in cpu])
     if not full_times:  # full alone
         full_times, full_cpu = map(list, zip(*[sample("full") for _ in range(rounds)]))
-    out["full"] = dict(tok_s=tokens / statistics.median(full_times), ratio=1.0, cpu_ratio=1.0,
+    for r in out.values():
+        r["steps"] = steps
+    out["full"] = dict(tok_s=tokens / statistics.median(full_times), ratio=1.0, cpu_ratio=1.0, steps=steps,
                        seconds=[round(t, 4) for t in full_times], cpu_seconds=[round(t, 4) for t in full_cpu])
+    return out
+
+
+def attention_cost(shape, rows, rounds, timing_rows):
+    """What bounds each configuration: the forward + backward of the model's attention layers
+    alone (every layer's self_attn on the same input, as the step runs them), interleaved with
+    full's as in `timing`. {name: {attn_ms, attn_ratio (full's time / its, median of the
+    rounds), attn_share (full's attention / full's whole step, from timing_rows), allows}}.
+    allows = 1 / (1 - share + share / attn_ratio): the step's ratio to full's if everything
+    but attention cost what it costs in full's step; a goal above it is out of reach for
+    any change outside the attention kernel."""
+    s = SHAPES[shape]
+    layers = {}
+    for name, attn, flags in rows:
+        model = build(shape, attn, flags)[0]
+        cfg = model.cfg
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(s["B"], s["T"], cfg.d_model, generator=g, requires_grad=True)
+        cos, sin = rope_cos_sin(torch.arange(s["T"]), cfg.head_dim, cfg.rope_theta)
+        layers[name] = (model, x, cos, sin)
+
+    def run(name):
+        model, x, cos, sin = layers[name]
+        t0 = time.perf_counter()
+        for layer in model.layers:
+            layer.self_attn(x, cos, sin, 0).sum().backward()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        return time.perf_counter() - t0
+
+    for name in layers:
+        run(name)  # warm-up (compiled tiles)
+    out, full_all = {}, []
+    for name, _, _ in rows:
+        if name == "full":
+            continue
+        pairs = [(run("full"), run(name)) for _ in range(rounds)]
+        full_all += [a for a, _ in pairs]
+        out[name] = dict(attn_ms=1e3 * statistics.median(b for _, b in pairs),
+                         attn_ratio=statistics.median(a / b for a, b in pairs))
+    out["full"] = dict(attn_ms=1e3 * statistics.median(full_all or [run("full") for _ in range(rounds)]), attn_ratio=1.0)
+    steps = timing_rows["full"]
+    full_step_ms = 1e3 * statistics.median(steps["seconds"]) / steps["steps"]
+    share = min(1.0, out["full"]["attn_ms"] / full_step_ms)
+    for r in out.values():
+        r["attn_share"] = share
+        r["allows"] = 1 / (1 - share + share / r["attn_ratio"])
     return out
 
 
@@ -242,6 +292,25 @@ def table(rows):
     return "\n".join(lines)
 
 
+def bounds_table(rows):
+    """What bounds each row (attention_cost): its attention layers against full's, and the step
+    ratio that leaves; 'attention' where the goal is above it (the attention kernel bounds it)."""
+    lines = ["What bounds each configuration: forward + backward of its attention layers alone, against "
+             "full's (SDPA); share: full's attention / full's whole step; allows: the step ratio if "
+             "everything else cost what it costs in full's step.", "",
+             "| shape | config | attention ms | vs full | share of full's step | step ratio it allows | goal |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["config"] == "full" or "attn_ms" not in r:
+            continue
+        goal = GOALS.get(r["config"])
+        verdict = "" if goal is None else (f">= {goal}x: " + ("within reach" if r["allows"] >= goal else
+                                                              "out of reach of the attention kernel as it is"))
+        lines.append(f"| {r['shape']} | {r['config']} | {r['attn_ms']:.1f} | {r['attn_ratio']:.2f}x | "
+                     f"{r['attn_share']:.2f} | {r['allows']:.2f}x | {verdict} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shape, full and local, one step a sample")
@@ -280,9 +349,10 @@ def main(argv=None):
     results = []
     for s in shapes:
         times = timing(s, rows, rounds, steps)
-        for name, attn, flags in rows:
-            results.append(dict(shape=s, config=name, attn=attn, flags=flags, T=SHAPES[s]["T"], B=SHAPES[s]["B"],
-                                **times[name], **mem[s][name]))
+        attn = attention_cost(s, rows, rounds, times)
+        for name, attn_name, flags in rows:
+            results.append(dict(shape=s, config=name, attn=attn_name, flags=flags, T=SHAPES[s]["T"], B=SHAPES[s]["B"],
+                                **times[name], **mem[s][name], **attn[name]))
     report = dict(
         command=" ".join(["python benchmarks/train_step.py"] + (argv if argv is not None else sys.argv[1:])),
         torch=torch.__version__, threads=args.threads, rounds=rounds, steps_per_sample=steps,
@@ -293,6 +363,8 @@ def main(argv=None):
                "resident set before it; peak_mb: that process's VmHWM",
         rows=results)
     print(table(results))
+    print()
+    print(bounds_table(results))
     print(f"asga's gate tile: {report['gate_tile']}; load average {report['load_average']}; "
           f"{report['seconds']} s of timing")
     out = args.out or (None if args.quick else os.path.join(ROOT, "benchmarks", "train_step_cpu.json"))

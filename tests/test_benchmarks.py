@@ -41,6 +41,11 @@ def test_train_step_quick_json(tmp_path):
         assert "error" not in r, r
         assert r["tok_s"] > 0 and r["peak_mb"] > 0 and r["step_mb"] >= 0
         assert r["peak_mb"] >= r["step_mb"]
+    # what bounds it: the attention layers' own ratio, and the step ratio that ratio allows
+    assert rows["full"]["attn_ratio"] == 1.0 and rows["full"]["allows"] == pytest.approx(1.0)
+    share = rows["full"]["attn_ms"] / (1e3 * statistics.median(rows["full"]["seconds"]) / report["steps_per_sample"])
+    assert 0 < local["attn_share"] == pytest.approx(min(1.0, share))
+    assert local["allows"] == pytest.approx(1 / (1 - local["attn_share"] + local["attn_share"] / local["attn_ratio"]))
 
 
 def test_gpu_check_runs_every_step_at_the_tiny_shape(tmp_path):
