@@ -402,6 +402,36 @@ def token_category(piece):
     return "other"
 
 
+def run_tokenizer(run):
+    """The tokenizer of the run's shards (data.tokenizer_of its data_dir, as train.py records
+    it in the checkpoint); GPT-2 when the run names no data."""
+    import data
+
+    data_dir = run["train"].get("data_dir")
+    try:
+        return data.tokenizer_of(data_dir)[0] if data_dir else "gpt2"
+    except data.ShardError:
+        return "gpt2"
+
+
+def text_codec(tokenizer):
+    """(encode: str -> ids, or None; decode: one id -> str) of the run's tokenizer, from
+    sample.text_codec: a byte of a multi-byte character decodes to U+FFFD (category 'other');
+    tokens without text (the recall probe's): (None, None), no categories. Raises OSError when
+    GPT-2's BPE files cannot be loaded (offline, first use)."""
+    import sample
+
+    try:
+        encode, decode, _ = sample.text_codec(tokenizer)
+    except sample.CheckpointError:
+        return None, None
+    return encode, lambda t: decode([t])
+
+
+BPE_OFFLINE = ("GPT-2's BPE files could not be loaded (no internet?); connect once, or set TIKTOKEN_CACHE_DIR "
+               "to a folder that holds them")
+
+
 def load_text_tokens(run, text_path, n_tokens):
     """Token ids to analyse on, and where they came from; (None, why not) when there are none."""
     if text_path:
@@ -420,9 +450,14 @@ def load_text_tokens(run, text_path, n_tokens):
                 if sum(map(len, docs)) > 8 * n_tokens:
                     break
             raw = "\n\n".join(docs)
-        import tiktoken
-
-        tokens = tiktoken.get_encoding("gpt2").encode_ordinary(raw)[:n_tokens]
+        tokenizer = run_tokenizer(run)
+        try:
+            encode = text_codec(tokenizer)[0]
+        except OSError:
+            return None, f"--text {path} cannot be tokenized: {BPE_OFFLINE}"
+        if encode is None:
+            return None, f"--text {path}: the run was trained on {tokenizer} tokens, which have no text"
+        tokens = encode(raw)[:n_tokens]
         return (tokens, f"--text {path}") if tokens else (None, f"--text {path} is empty")
     data_dir = run["train"].get("data_dir")
     if not data_dir:
@@ -571,18 +606,19 @@ def checkpoint_figures(runs, args, out, figures, notes, selections=None):
     if not models or tokens is None:
         notes.append(f"no gate-by-category or attention figures: {why_not}")
         return {}
-    import tiktoken
-
-    enc = tiktoken.get_encoding("gpt2")
-    decode = lambda t: enc.decode_single_token_bytes(t).decode("utf-8", errors="replace")
     by_category, maps, passage = {}, [], None
     for run in (r for r in runs if r["name"] in models):
         model = models[run["name"]]
+        try:
+            decode = text_codec(run_tokenizer(run))[1]
+        except OSError:
+            notes.append(f"{run['name']}: no gate-by-category figure: {BPE_OFFLINE}")
+            decode = None  # the maps below still draw
         idx = _chunks(tokens, run["train"].get("seq_len") or 256, model.cfg.vocab_size)  # (N, T)
         if idx.numel() == 0:
             notes.append(f"{run['name']}: the text ({source}) has no tokens the model knows")
             continue
-        by_cat = gate_by_category(model, idx, decode)
+        by_cat = gate_by_category(model, idx, decode) if decode else {}
         if len(by_cat) > 1:  # more than the token counts: the variant has per-token gates
             by_category[run["name"]] = by_cat
             plot_gate_by_category(run, by_cat, out / f"categories_{run['name']}.png")
@@ -599,7 +635,7 @@ def checkpoint_figures(runs, args, out, figures, notes, selections=None):
             plot_selection(run, stats, out / f"selection_{run['name']}.png", layer, history)
             figures.append((f"selection_{run['name']}.png", f"{run['name']}: what {model.cfg.attn} selected ({source})"))
     if maps:
-        pieces = [decode(t) for t in passage.tolist()]
+        pieces = [(decode or str)(t) for t in passage.tolist()]  # ids where the text cannot be had
         plot_attention(maps, pieces, out / "attention.png")
         figures.append(("attention.png", f"attention weights on the first {len(pieces)} tokens of {source}"))
     return by_category

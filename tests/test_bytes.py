@@ -161,3 +161,39 @@ def test_byte_baseline_of_the_corpus_is_a_few_nats(tmp_path):
     data.tokenize_to_shards(docs, str(tmp_path), "fw", shard_tokens=10**6, val_tokens=20000,
                             workers=1, tokenizer="byte")
     assert 2.8 < data.unigram_loss(tmp_path) < 3.6
+
+
+def test_analyze_reads_a_byte_run_as_bytes_without_gpt2(byte_shards, tmp_path, monkeypatch):
+    """analyze.py's gate-by-category figure decodes a byte run's tokens as bytes (GPT-2's BPE
+    is never loaded: here it cannot be), and a run read as GPT-2 while the BPE files cannot
+    be loaded gets one note, not a traceback, and still its attention map."""
+    import shutil
+
+    import analyze
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("Name or service not known")  # what requests raises offline: an OSError
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    out, _, _ = byte_shards
+    run = tmp_path / "dsa"
+    r = train(*TINY, "--attn=dsa", "--window=8", "--dsa_threshold=16", f"--data_dir={out}", f"--out_dir={run}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    analyze.main([str(run), f"--out_dir={tmp_path / 'a'}", "--n_tokens=512"])
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    counts = summary["gate_by_category"]["dsa"]["count"]
+    # our sentences' bytes: capital letters start them, full stops end them
+    assert counts["capitalised"] > 0 and counts["punctuation"] > 0 and sum(counts.values()) > 0
+    assert "categories_dsa.png" in summary["figures"]
+    # the same run, its data folder without tokenizer.json: read as GPT-2, which cannot load
+    unlabelled = tmp_path / "unlabelled"
+    shutil.copytree(out, unlabelled)
+    (unlabelled / data.TOKENIZER_FILE).unlink()
+    config = json.loads((run / "config.json").read_text())
+    config["train"]["data_dir"] = str(unlabelled)
+    (run / "config.json").write_text(json.dumps(config))
+    analyze.main([str(run), f"--out_dir={tmp_path / 'b'}", "--n_tokens=512"])
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert sum("BPE files could not be loaded" in n for n in summary["notes"]) == 1, summary["notes"]
+    assert "attention.png" in summary["figures"] and "categories_dsa.png" not in summary["figures"]
