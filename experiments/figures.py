@@ -122,9 +122,10 @@ def recall_figure(rec, path):
 
 
 def _longest(ev):
-    """The eval.json record's longest evaluated length: (seq_len, buckets), or None."""
+    """The eval.json record's longest evaluated length: ((seq_len, n_seq), buckets), or None.
+    Two records pair only when both match (the same val sequences)."""
     done = [r for r in (ev or {}).get("positions") or [] if "buckets" in r]
-    return (done[-1]["seq_len"], done[-1]["buckets"]) if done else None
+    return ((done[-1]["seq_len"], done[-1].get("n_seq")), done[-1]["buckets"]) if done else None
 
 
 def positions_figure(stats, configs, trained_len, path):

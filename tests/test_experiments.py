@@ -343,3 +343,20 @@ def test_resolved_summary_counts_what_each_instrument_separates():
     assert "separates no configuration" not in text
     stats["dsa"]["delta"] = 0.005
     assert "separates no configuration" in sweep.resolved_summary(stats, rec)[0]
+
+
+def test_positions_figure_pairs_only_evaluations_of_the_same_sequences(tmp_path):
+    import figures
+
+    for s in (0, 1):
+        _fake_run(tmp_path, "full", s, [3.0, 2.5], [1, 1], [1, 1])
+        _fake_run(tmp_path, "local", s, [3.0, 2.5], [1, 1], [1, 1])
+        _fake_eval(tmp_path / "text" / f"full_s{s}", 64, lambda f, a: 2.0, 3.0)
+        _fake_eval(tmp_path / "text" / f"local_s{s}", 8, lambda f, a: 2.0, 3.0)  # other sequences
+    stats = sweep.results_markdown(tmp_path, tmp_path)[1]
+    assert figures.positions_figure(stats, sweep.TEXT_CONFIGS, 512, tmp_path / "a.png") is False
+    for s in (0, 1):
+        _fake_eval(tmp_path / "text" / f"local_s{s}", 64, lambda f, a: 2.1, 3.0)
+    stats = sweep.results_markdown(tmp_path, tmp_path)[1]
+    assert figures.positions_figure(stats, sweep.TEXT_CONFIGS, 512, tmp_path / "b.png") is True
+    assert (tmp_path / "b.png").stat().st_size > 10000
