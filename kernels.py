@@ -84,6 +84,25 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+
+def inductor_cache_per_cpu_capability():
+    """A workaround for torch (2.13), not for the method: inductor keys its on-disk FX-graph
+    cache without the CPU capability ATen runs at (ATEN_CPU_CAPABILITY), so a graph compiled
+    under one is loaded under another, its C++ rebuilt for the other vector width, and it
+    computes garbage (measured on an AVX-512 machine: asga's compiled gate tile gave a NaN
+    loss, and once a double free, under =avx2 after a native run; =default failed to
+    compile). `.ci/run` reruns the parity tests under =avx2 and =default, so each capability
+    gets its own cache directory, <torch's default>-<capability>. Nothing changes where
+    TORCHINDUCTOR_CACHE_DIR is set. Runs at import, before anything here compiles."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{cap}"
+
+
+inductor_cache_per_cpu_capability()
+
 NEG_INF = float("-inf")
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
                        "selected_attention")

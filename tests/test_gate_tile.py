@@ -1,7 +1,13 @@
 """asga's gate tile (kernels.GateTile): the compiled tile equals the eager one, forward and
 backward; the whole asga op through the compiled tile passes the parity test against the
 reference (tests/test_kernels.py's `check`); and where torch.compile fails the eager tile
-runs, says so once, and gives the same result."""
+runs, says so once, and gives the same result; and each CPU capability compiles into its own
+inductor cache (kernels.inductor_cache_per_cpu_capability)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,3 +79,22 @@ def test_a_failed_compile_falls_back_to_the_eager_tile(compiled, monkeypatch, ca
     assert GateTile.path.startswith("eager (torch.compile failed: RuntimeError: no C++ compiler")
     said = [line for line in capsys.readouterr().out.splitlines() if "gate tile" in line]
     assert len(said) == 1, said  # said once
+
+
+def test_each_cpu_capability_compiles_into_its_own_cache():
+    """Importing kernels points inductor's cache at a directory of the CPU capability ATen
+    runs at (kernels.inductor_cache_per_cpu_capability: torch loads one capability's graphs
+    under another and computes garbage), and leaves a directory the user set alone."""
+    root = Path(__file__).resolve().parent.parent
+    show = "import os, kernels; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+
+    def cache_dir(**env):
+        base = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+        out = subprocess.run([sys.executable, "-c", show], cwd=root, env={**base, **env},
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    dirs = {cap: cache_dir(ATEN_CPU_CAPABILITY=cap) for cap in ("default", "avx2")}
+    assert dirs["default"].endswith("-default") and dirs["avx2"].endswith("-avx2"), dirs
+    assert dirs["default"][:-len("default")] == dirs["avx2"][:-len("avx2")]  # beside each other
+    assert cache_dir(ATEN_CPU_CAPABILITY="avx2", TORCHINDUCTOR_CACHE_DIR="/tmp/mine") == "/tmp/mine"

@@ -268,9 +268,10 @@ def perturb_gates(model, seed=4):
             p.data.add_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-@pytest.mark.parametrize("attn", list(VARIANTS))
+@pytest.mark.parametrize("attn", [a for a in VARIANTS if a != "indexer"])
 def test_trains_to_the_same_losses(attn):
-    """Three AdamW steps at T = 300 (past the window and dsa's threshold): same losses."""
+    """Three AdamW steps at T = 300 (past the window and dsa's threshold): same losses.
+    `indexer`: test_indexer_trains_like_the_reference (why there)."""
     idx = torch.randint(0, 512, (2, 301), generator=torch.Generator().manual_seed(2))
     losses = {}
     for kernel in ("ref", "fused"):
@@ -287,6 +288,50 @@ def test_trains_to_the_same_losses(attn):
     assert losses["ref"][-1] < losses["ref"][0]  # it does train
     for a, b in zip(losses["fused"], losses["ref"]):
         assert abs(a - b) < 1e-5 * abs(b), (losses["fused"], losses["ref"])
+
+
+def test_indexer_trains_like_the_reference():
+    """`indexer`, three AdamW steps at T = 300 with its KL loss (L^I) added, as train.py adds
+    it, so its own weights train too. Two models trained apart, as above, cannot be compared
+    at 1e-5 here: the selection is a hard top-k of scores read from the previous layer's
+    output, and the paths' float32 rounding there (~1e-7) moves a score that ties another
+    within it across the k-th; measured over 8 data seeds, in 2 of them (AVX-512) a flipped
+    key moved the loss by 1.3e-5 and 1.6e-5 relative by the third step (AdamW's first step,
+    which divides each gradient by its own size, had turned rounding-level gradients into
+    weight differences of 2e-4). So: one layer (its indexer reads the embeddings, the same in
+    both paths) and, at each step of the reference, the fused model loaded with the
+    reference's weights. Then both must select the same keys, give the same loss (1e-5) and
+    every gradient within 1e-4 of its tensor's largest (float32's rounding in a sum over
+    every score, 2^-24 sqrt(B H T S D), is 2e-4; measured below 1e-6)."""
+    idx = torch.randint(0, 512, (2, 301), generator=torch.Generator().manual_seed(2))
+    ref, fused = tiny_model("indexer", "ref", n_layer=1), tiny_model("indexer", "fused", n_layer=1)
+    perturb_gates(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    losses = []
+    for step in range(3):
+        fused.load_state_dict(ref.state_dict())
+        out = {}
+        for name, model in (("ref", ref), ("fused", fused)):
+            model.zero_grad(set_to_none=True)
+            model.record_gates(True)
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            kl = model.indexer_loss()
+            (loss + kl).backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            out[name] = (loss.item(), kl.item(), model.layers[0].self_attn.selection, grads)
+        (loss_r, kl_r, keys_r, grads_r), (loss_f, kl_f, keys_f, grads_f) = out["ref"], out["fused"]
+        assert torch.equal(keys_f, keys_r), f"step {step}: the paths selected different keys"
+        assert abs(loss_f - loss_r) < 1e-5 * loss_r and abs(kl_f - kl_r) <= 1e-5 * kl_r, (step, out)
+        g_index = grads_r["layers.0.self_attn.indexer.q_proj.weight"]
+        assert g_index is not None and g_index.abs().max() > 0, "L^I does not reach the indexer"
+        for n, g in grads_r.items():
+            assert (g is None) == (grads_f[n] is None), (step, n)
+            if g is not None:
+                error, size = (grads_f[n] - g).abs().max().item(), g.abs().max().item()
+                assert error <= 1e-4 * size, f"step {step}: grad {n}: {error:.2e} > 1e-4 x {size:.2e}"
+        opt.step()
+        losses.append(loss_r)
+    assert losses[-1] < losses[0]  # it does train
 
 
 @pytest.mark.parametrize("attn", list(VARIANTS))
