@@ -356,8 +356,8 @@ def main(argv=None):
     report = dict(
         command=" ".join(["python benchmarks/train_step.py"] + (argv if argv is not None else sys.argv[1:])),
         torch=torch.__version__, threads=args.threads, rounds=rounds, steps_per_sample=steps,
-        machine=f"{platform.machine()}, {os.cpu_count()} CPUs", load_average=[round(load_before, 2),
-                                                                             round(os.getloadavg()[0], 2)],
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, ATen {torch.backends.cpu.get_cpu_capability()}",
+        load_average=[round(load_before, 2), round(os.getloadavg()[0], 2)],
         seconds=round(time.time() - started, 1), gate_tile=kernels.GateTile.path,
         memory="step_mb: peak resident set (VmHWM) of a forked process during one training step minus its "
                "resident set before it; peak_mb: that process's VmHWM",
