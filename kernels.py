@@ -75,6 +75,7 @@ Both need the queries to be the last keys (q_start + T == k_start + S), as in ev
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
 The benchmark is benchmarks/attention.py.
 """
+import contextlib
 import functools
 import os
 from collections import namedtuple
@@ -102,6 +103,27 @@ def inductor_cache_per_cpu_capability():
 
 
 inductor_cache_per_cpu_capability()
+
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run a loop of small ops on this thread alone. An op too small to be worth splitting
+    (`BlockDispatch`'s per-group matmuls, ~15 us each) still hands work to the other OpenMP
+    threads and waits for them, and with OMP_WAIT_POLICY=PASSIVE (train.py's, for a CPU
+    shared with other processes) every hand-off wakes a sleeping thread: nsa's training step
+    at train.py's CPU preset took 3.6 s on an idle 2-core machine, 0.59 s with its group
+    loops on one thread (OpenMP's default waiting: 0.55 s and 0.55 s)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 NEG_INF = float("-inf")
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
@@ -693,8 +715,9 @@ class BlockDispatch(torch.autograd.Function):
         n = hidden.shape[1] // kb.shape[1]
         groups = [(g, idx, idx // n) for g, idx in enumerate(pair.split(sizes)) if len(idx)]
         logits = q.new_full((hidden.numel() // kb.shape[1], kb.shape[1]), NEG_INF)  # (BHT n, block)
-        for g, idx, rows in groups:
-            logits.index_copy_(0, idx, q.index_select(0, rows) @ kb[g].T)
+        with one_thread():  # per-group ops too small to split (see `one_thread`)
+            for g, idx, rows in groups:
+                logits.index_copy_(0, idx, q.index_select(0, rows) @ kb[g].T)
         logits = logits.view(hidden.shape).masked_fill_(hidden, NEG_INF)  # (BHT, n * block)
         empty = hidden.all(-1)  # a query with no visible key gets 0, as in the reference
         if bool(empty.any()):
@@ -704,8 +727,9 @@ class BlockDispatch(torch.autograd.Function):
             p[empty] = 0.0
         p_pairs = p.view(-1, kb.shape[1])
         out = torch.zeros_like(q)
-        for g, idx, rows in groups:
-            out.index_add_(0, rows, p_pairs.index_select(0, idx) @ vb[g])
+        with one_thread():  # per-group ops too small to split (see `one_thread`)
+            for g, idx, rows in groups:
+                out.index_add_(0, rows, p_pairs.index_select(0, idx) @ vb[g])
         ctx.save_for_backward(q, kb, vb, p)
         ctx.groups = groups
         return out
@@ -718,16 +742,18 @@ class BlockDispatch(torch.autograd.Function):
         p_pairs = p.view(-1, block)
         dq, dkb, dvb = torch.zeros_like(q), torch.zeros_like(kb), torch.zeros_like(vb)
         dp = torch.zeros_like(p_pairs)  # (BHT n, block): 0 where no pair
-        for g, idx, rows in ctx.groups:
-            d_out_g = d_out.index_select(0, rows)
-            torch.mm(p_pairs.index_select(0, idx).T, d_out_g, out=dvb[g])
-            dp.index_copy_(0, idx, d_out_g @ vb[g].T)
+        with one_thread():  # per-group ops too small to split (see `one_thread`)
+            for g, idx, rows in ctx.groups:
+                d_out_g = d_out.index_select(0, rows)
+                torch.mm(p_pairs.index_select(0, idx).T, d_out_g, out=dvb[g])
+                dp.index_copy_(0, idx, d_out_g @ vb[g].T)
         dp = dp.view(p.shape)
         dlogits = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).view(-1, block)  # softmax's backward
-        for g, idx, rows in ctx.groups:
-            dlogits_g = dlogits.index_select(0, idx)
-            dq.index_add_(0, rows, dlogits_g @ kb[g])
-            torch.mm(dlogits_g.T, q.index_select(0, rows), out=dkb[g])
+        with one_thread():  # per-group ops too small to split (see `one_thread`)
+            for g, idx, rows in ctx.groups:
+                dlogits_g = dlogits.index_select(0, idx)
+                dq.index_add_(0, rows, dlogits_g @ kb[g])
+                torch.mm(dlogits_g.T, q.index_select(0, rows), out=dkb[g])
         return dq, dkb, dvb, None, None, None
 
 

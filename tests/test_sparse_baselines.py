@@ -435,3 +435,20 @@ def test_flex_forward_has_no_graph_breaks(attn):
 def test_bad_settings_name_the_flag(flags, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig(**flags)
+
+
+def test_one_thread_runs_its_block_on_one_thread_and_restores_the_count():
+    """kernels.one_thread (BlockDispatch's per-group loops): one intra-op thread inside, the
+    caller's count after, also when the block raises."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with kernels.one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError):
+            with kernels.one_thread():
+                raise ValueError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
