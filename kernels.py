@@ -113,7 +113,8 @@ def one_thread():
     threads and waits for them, and with OMP_WAIT_POLICY=PASSIVE (train.py's, for a CPU
     shared with other processes) every hand-off wakes a sleeping thread: nsa's training step
     at train.py's CPU preset took 3.6 s on an idle 2-core machine, 0.59 s with its group
-    loops on one thread (OpenMP's default waiting: 0.55 s and 0.55 s)."""
+    loops on one thread (with OpenMP's default
+    waiting, 0.55 s either way; README "Performance")."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
