@@ -105,7 +105,6 @@ def inductor_cache_per_cpu_capability():
 inductor_cache_per_cpu_capability()
 
 
-
 @contextlib.contextmanager
 def one_thread():
     """Run a loop of small ops on this thread alone. An op too small to be worth splitting
@@ -116,9 +115,6 @@ def one_thread():
     loops on one thread (with OpenMP's default waiting, 0.55 s either way; README
     "Performance")."""
     threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
     torch.set_num_threads(1)
     try:
         yield

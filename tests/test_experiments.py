@@ -346,6 +346,8 @@ def test_resolved_summary_counts_what_each_instrument_separates():
 
 
 def test_positions_figure_pairs_only_evaluations_of_the_same_sequences(tmp_path):
+    """assets/study_positions.png draws a configuration beside `full` only where both were
+    evaluated on the same sequences (n_seq): none when they differ, the figure when they agree."""
     import figures
 
     for s in (0, 1):
