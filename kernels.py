@@ -111,9 +111,8 @@ def one_thread():
     (`BlockDispatch`'s per-group matmuls, ~15 us each) still hands work to the other OpenMP
     threads and waits for them, and with OMP_WAIT_POLICY=PASSIVE (train.py's, for a CPU
     shared with other processes) every hand-off wakes a sleeping thread: nsa's training step
-    at train.py's CPU preset took 3.6 s on an idle 2-core machine, 0.6 s with its group
-    loops on one thread (with OpenMP's default waiting, 0.55 s either way; README
-    "Performance")."""
+    at train.py's CPU preset ran at 1.1k tok/s on an idle 2-core machine, 6.7k with its group
+    loops on one thread (benchmarks/train_step.py; README "Performance")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
