@@ -185,14 +185,14 @@ def timing(shape, rows, rounds, steps):
                          ratio=statistics.median(a / b for a, b in pairs),
                          cpu_ratio=statistics.median(a / b for a, b in cpu),
                          full_tok_s=tokens / statistics.median(a for a, _ in pairs),
-                         seconds=[round(b, 4) for _, b in pairs], full_seconds=[round(a, 4) for a, _ in pairs],
-                         cpu_seconds=[round(b, 4) for _, b in cpu], full_cpu_seconds=[round(a, 4) for a, _ in cpu])
+                         seconds=[round(b, 6) for _, b in pairs], full_seconds=[round(a, 6) for a, _ in pairs],
+                         cpu_seconds=[round(b, 6) for _, b in cpu], full_cpu_seconds=[round(a, 6) for a, _ in cpu])
     if not full_times:  # full alone
         full_times, full_cpu = map(list, zip(*[sample("full") for _ in range(rounds)]))
     for r in out.values():
         r["steps"] = steps
     out["full"] = dict(tok_s=tokens / statistics.median(full_times), ratio=1.0, cpu_ratio=1.0, steps=steps,
-                       seconds=[round(t, 4) for t in full_times], cpu_seconds=[round(t, 4) for t in full_cpu])
+                       seconds=[round(t, 6) for t in full_times], cpu_seconds=[round(t, 6) for t in full_cpu])
     return out
 
 
