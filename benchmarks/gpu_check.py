@@ -55,8 +55,8 @@ TINY_FLAGS = dict(window=16, dsa_threshold=32, caa_window_max=32, nsa_cmp_block=
 
 def config(name, flags, shape, kernel="fused"):
     attn = name.split("-")[0]
-    extra = TINY_FLAGS if shape is TINY else {}
-    return ModelConfig(**{**PRESETS[shape["model"]], "vocab_size": 50304 if shape is GPU else 512,
+    extra = TINY_FLAGS if shape["model"] == "tiny" else {}
+    return ModelConfig(**{**PRESETS[shape["model"]], "vocab_size": 512 if shape["model"] == "tiny" else 50304,
                           "attn": attn, "kernel": kernel, **extra, **flags})
 
 
@@ -113,7 +113,7 @@ def run_tests(device):
 
 def attention_rows(shape, device, dtype):
     """Each configuration's attention core against SDPA causal (flash on CUDA), fwd + bwd."""
-    timer, rows, runs = Timer(device), [], 3 if shape is TINY else 10
+    timer, rows, runs = Timer(device), [], 3 if shape["model"] == "tiny" else 10
     H, D = PRESETS[shape["model"]]["n_head"], PRESETS[shape["model"]]["head_dim"]
     d_model, B = PRESETS[shape["model"]]["d_model"], shape["attn_batch"]
     autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -254,10 +254,17 @@ def main(argv=None):
     parser.add_argument("--out", default="gpu_check.json", help="the JSON; the Markdown table goes beside it (.md)")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip: tests, attention, training")
     parser.add_argument("--only", help="comma-separated configurations (default: all of CONFIGS)")
+    parser.add_argument("--lengths", help="comma-separated sequence lengths for the attention step "
+                        "(default: the shape's, 1024..8192 on a GPU)")
+    parser.add_argument("--steps", type=int, help="timed training steps per configuration (default: the shape's)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = args.tiny or device == "cpu"
-    shape = TINY if tiny else GPU
+    shape = dict(TINY if tiny else GPU)
+    if args.lengths:
+        shape["lengths"] = tuple(int(t) for t in args.lengths.split(","))
+    if args.steps:
+        shape["steps"] = args.steps
     global CONFIGS
     if args.only:
         wanted = args.only.split(",")
@@ -271,19 +278,25 @@ def main(argv=None):
     print(f"gpu_check on {result['environment'].get('device_name', device)}, shape {result['shape']}, {dtype}",
           flush=True)
     t0 = time.time()
+    md = os.path.splitext(args.out)[0] + ".md"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():  # after each step, so a run cut short (a node's time limit) keeps what it measured
+        result["seconds"] = time.time() - t0
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(md, "w") as f:
+            f.write(markdown(result))
+
     if "tests" not in skip:
         result["tests"] = run_tests(device)
+        save()
     if "attention" not in skip:
         result["attention"] = attention_rows(shape, device, dtype)
+        save()
     if "training" not in skip:
         result["training"] = training_rows(shape, device, dtype, compile_model=device == "cuda")
-    result["seconds"] = time.time() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    md = os.path.splitext(args.out)[0] + ".md"
-    with open(md, "w") as f:
-        f.write(markdown(result))
+    save()
     print("\n" + markdown(result))
     print(f"wrote {args.out} and {md} ({result['seconds']:.0f} s); paste the .md into an issue", flush=True)
     failed = [r["config"] for r in result.get("training", []) + result.get("attention", []) if "error" in r]
