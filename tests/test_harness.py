@@ -3,7 +3,9 @@ built from local files (a task YAML + a jsonl dataset, found through TaskManager
 include_path; no network). Every score is checked against the model's own cross-entropy
 (Model.forward with targets, ignore_index=-1 on the tokens not scored), computed here on bytes
 encoded here, so a wrong offset between logits and targets, a lost context token or a window
-scored twice fails; the command line is checked for one clear line on bad input."""
+scored twice fails; every variant scores a row the same alone and padded in a batch; the
+command line gives one clear line on bad input. Without lm_eval the tests that need it skip,
+saying so, and evaluate.py is checked to work without it."""
 import json
 import os
 import subprocess
@@ -15,6 +17,7 @@ import torch
 
 import evaluate
 from conftest import ENGLISH, ROOT, requires_gpt2
+from attention import VARIANTS
 from model import CheckpointError, Model, ModelConfig, save_checkpoint
 
 requires_lm_eval = pytest.mark.skipif(
@@ -24,13 +27,13 @@ requires_lm_eval = pytest.mark.skipif(
 TINY_BYTES = dict(n_layer=1, n_head=2, n_kv_head=2, head_dim=8, d_model=16, mlp_hidden=32, vocab_size=256)
 L = 16  # the checkpoint's trained length: the harness's max_length, so contexts get cut and texts windowed
 
-# Multiple choice: a context cut to L (30 bytes), an empty context (the separator stands in), and
-# one that fits. Rolling: a text of exactly 2L bytes (two windows), one of 2L + 6 (the third
-# window scores 6 bytes from a full window of context) and a short one.
+# Multiple choice (choices carry their own leading space: target_delimiter ""): a context cut to L
+# (28 bytes), an empty context (the separator stands in), one that fits; the setup adds one
+# whose first choice is the trained model's own greedy continuation.
 CHOICE_DOCS = [
-    {"question": "The baker opens the shop at se", "choices": ["ven", "ten", "half past"], "label": 0},
+    {"question": "The baker opens the shop at", "choices": [" seven", " ten", " half past"], "label": 0},
     {"question": "", "choices": ["bread", "boats"], "label": 1},
-    {"question": "Rain, then", "choices": [" sun", "snow", "fog"], "label": 2},
+    {"question": "Rain, then", "choices": [" sun", " snow", "fog"], "label": 2},
 ]
 TEXT_DOCS = [{"text": "We counted twelve boats and lamp"}, {"text": "The ferry waits while the river rises."},
              {"text": "Quiet"}]
@@ -47,6 +50,7 @@ def write_task(folder, name, rows, body):
 
 
 CHOICE_TASK = ('output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+               'target_delimiter: ""\n'
                'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
 TEXT_TASK = ('output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
              'metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n')
@@ -79,9 +83,15 @@ def setup(tmp_path_factory):
     model = save_tiny(tmp / "run", train_steps=150)
     tasks = tmp / "tasks"
     tasks.mkdir()
-    write_task(tasks, "tiny_choice", CHOICE_DOCS, CHOICE_TASK)
+    question, new = "Each morning", []
+    with torch.no_grad():  # 12 + 4 bytes: no context is cut
+        for _ in range(4):
+            new.append(int(model(torch.tensor([list(question.encode()) + new]))[0][0, -1].argmax()))
+    assert all(32 <= b < 127 for b in new), f"greedy bytes {new}: a model trained on English writes ASCII"
+    docs = CHOICE_DOCS + [{"question": question, "choices": [bytes(new).decode(), "zzzz"], "label": 0}]
+    write_task(tasks, "tiny_choice", docs, CHOICE_TASK)
     write_task(tasks, "tiny_text", TEXT_DOCS, TEXT_TASK)
-    return {"model": model, "run": tmp / "run", "tasks": tasks}
+    return {"model": model, "run": tmp / "run", "tasks": tasks, "choice_docs": docs}
 
 
 def task_manager(tasks):
@@ -114,28 +124,34 @@ def test_a_local_task_scores_with_the_models_own_log_probabilities(setup):
     results = simple_evaluate(model=evaluate.HARNESS_MODEL, model_args=f"ckpt={setup['run']}",
                               tasks=["tiny_choice", "tiny_text"], task_manager=task_manager(setup["tasks"]),
                               batch_size=2, device="cpu", log_samples=True)
-    # Multiple choice: context + " " + choice, as bytes; the last L + 1 when longer (the model's context).
+    # Multiple choice: context + choice, as bytes; the last L + 1 when longer (the model's context).
+    docs = setup["choice_docs"]
     samples = sorted(results["samples"]["tiny_choice"], key=lambda s: s["doc_id"])
-    correct = correct_norm = 0
-    for doc, sample in zip(CHOICE_DOCS, samples):
+    assert [s["doc_id"] for s in samples] == list(range(len(docs)))
+    correct = correct_norm = greedy_choices = 0
+    for doc, sample in zip(docs, samples):
         context = list(doc["question"].encode()) or [0]  # an empty context: the document separator
         expected = []
         for choice, (log_p, is_greedy) in zip(doc["choices"], [r[0] for r in sample["resps"]]):
-            continuation = list((" " + choice).encode())
+            continuation = list(choice.encode())
             tokens = (context + continuation)[-(L + 1):]
             expected.append(-summed_loss(model, tokens, len(continuation)))
             assert log_p == pytest.approx(expected[-1], abs=1e-4), (doc, choice)
             assert is_greedy == greedy(model, tokens, len(continuation))
+            greedy_choices += is_greedy
         correct += max(range(len(expected)), key=expected.__getitem__) == doc["label"]
         per_char = [e / len(c) for e, c in zip(expected, doc["choices"])]  # the harness's acc_norm: per character
         correct_norm += max(range(len(per_char)), key=per_char.__getitem__) == doc["label"]
+    assert greedy_choices == 1, "the setup's last document's first choice is the model's greedy continuation"
     scores = results["results"]["tiny_choice"]
-    assert scores["acc,none"] == pytest.approx(correct / len(CHOICE_DOCS))
-    assert scores["acc_norm,none"] == pytest.approx(correct_norm / len(CHOICE_DOCS))
+    assert scores["acc,none"] == pytest.approx(correct / len(docs))
+    assert scores["acc_norm,none"] == pytest.approx(correct_norm / len(docs))
     # Rolling: every byte scored once, after the separator; windows of L targets from the byte
     # before them, the last (partial) one from a full window of L bytes.
     total_bytes = total_nats = 0
-    for doc, sample in zip(TEXT_DOCS, sorted(results["samples"]["tiny_text"], key=lambda s: s["doc_id"])):
+    samples = sorted(results["samples"]["tiny_text"], key=lambda s: s["doc_id"])
+    assert [s["doc_id"] for s in samples] == list(range(len(TEXT_DOCS)))
+    for doc, sample in zip(TEXT_DOCS, samples):
         stream = [0] + list(doc["text"].encode())  # (N + 1,)
         n = len(stream) - 1
         expected = sum(summed_loss(model, stream[i: i + L + 1], L) for i in range(0, n - n % L, L))
@@ -215,9 +231,10 @@ def test_a_folder_that_is_no_checkpoint_is_one_line(setup, tmp_path, monkeypatch
                             "--include_path", str(setup["tasks"])], monkeypatch)
     err = capsys.readouterr().err
     assert code == 1
-    assert err.strip().splitlines()[-1] == (f"evaluate.py harness: {not_a_checkpoint / 'ckpt.pt'}: not a checkpoint: "
-                                            f"torch.save writes a zip archive, and this file starts with b'some'; give "
-                                            f"a run folder holding ckpt.pt (e.g. out/run) or the ckpt.pt file train.py wrote")
+    assert err.strip().splitlines()[-1] == (
+        f"evaluate.py harness: {not_a_checkpoint / 'ckpt.pt'}: not a checkpoint: torch.save writes a zip archive, "
+        f"and this file starts with b'some'; give a run folder holding ckpt.pt (e.g. out/run) or the ckpt.pt file "
+        f"train.py wrote")
     assert "Traceback" not in err
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         evaluate.HarnessLM(ckpt=str(tmp_path / "missing"))
@@ -263,3 +280,20 @@ def test_evaluate_imports_and_runs_without_lm_eval(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "needs lm_eval: pip install -r requirements-dev.txt" in r.stdout
     assert r.stderr.strip() == "evaluate.py harness: needs lm_eval: pip install -r requirements-dev.txt"
+
+
+@pytest.mark.parametrize("attn", list(VARIANTS))
+def test_every_variant_scores_a_row_the_same_alone_and_padded_in_a_batch(attn):
+    """Rows of several lengths, right-padded into one batch, score as each does alone: every
+    variant's outputs at a position ignore the padding after it (on the path a checkpoint
+    loads with, kernel=fused). The pairs also cut contexts to max_len."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**{**TINY_BYTES, "n_head": 4, "n_kv_head": 2}, attn=attn, window=4,
+                              caa_window_max=8)).eval()
+    rng = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(1, 256, (n,), generator=rng).tolist(), torch.randint(1, 256, (m,), generator=rng).tolist())
+             for n, m in [(3, 2), (20, 5), (9, 1), (40, 4)]]
+    batched = evaluate.continuation_log_probs(model, pairs, max_len=32, batch_size=4)
+    for pair, (log_p, is_greedy) in zip(pairs, batched):
+        [(alone, alone_greedy)] = evaluate.continuation_log_probs(model, [pair], max_len=32)
+        assert log_p == pytest.approx(alone, abs=1e-4) and is_greedy == alone_greedy
