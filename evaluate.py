@@ -477,7 +477,7 @@ def continuation_log_probs(model, pairs, max_len, batch_size=8, device="cpu", au
 
 
 try:  # optional: pip install -r requirements-dev.txt (the pinned lm-eval)
-    import lm_eval.models  # noqa: F401  (lm_eval's own models register first; see the registration below)
+    import lm_eval.models  # noqa: F401  lm_eval adds its own only to an empty registry: first, so ours hides none
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import model_registry
 except ImportError:
@@ -511,7 +511,8 @@ class HarnessLM(TemplateLM):
         from model import CheckpointError, load_checkpoint
 
         if unknown:
-            raise EvalError(f"{HARNESS_MODEL}: unknown --model_args {sorted(unknown)}; it takes ckpt, max_length, kernel")
+            raise EvalError(f"{HARNESS_MODEL}: unknown --model_args {sorted(unknown)}; "
+                            f"it takes ckpt, max_length, kernel")
         if not ckpt:
             raise EvalError(f"{HARNESS_MODEL}: --model_args ckpt=RUN_DIR_OR_FILE is required")
         if batch_size == "auto" or str(batch_size).startswith("auto"):
