@@ -50,6 +50,7 @@ import sys
 import urllib.request
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -119,16 +120,60 @@ def token_bytes(tokenizer, vocab_size):
     return counts
 
 
-def encoder(tokenizer):
-    """text -> token ids, for the tokenizers that have text."""
+class TextTokenizer(NamedTuple):
+    """A checkpoint's tokenizer as the text evaluations use it. `problem(text)` says why a text
+    cannot be encoded (None when it can); `encode` refuses such text with an EvalError.
+    Adding a tokenizer is one more branch in text_tokenizer returning one of these."""
+    name: str
+    encode: Callable[[str], list]  # text -> token ids
+    decode: Callable[[list], str]  # token ids -> text
+    separator: int  # the id written before every training document (data.py): the context of an empty prompt
+    problem: Callable[[str], Optional[str]]
+
+
+def text_tokenizer(tokenizer):
+    """The TextTokenizer of a checkpoint's recorded tokenizer name ('gpt2' or 'byte').
+
+    Refused text (`problem`): the document separator's own text (GPT-2's "<|endoftext|>", the
+    byte tokenizer's NUL) would end the document inside the text, which training never shows
+    a model; and text that is not valid Unicode (a lone surrogate) has no UTF-8 bytes."""
+    def problem_with(separator_text):
+        def problem(text):
+            if separator_text in text:
+                return f"the text holds {separator_text!r}, the {tokenizer} tokenizer's document separator"
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"the text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at character {e.start})"
+            return None
+        return problem
+
+    def refusing(encode, problem):
+        def checked(text):
+            why = problem(text)
+            if why:
+                raise EvalError(why)
+            return encode(text)
+        return checked
+
     if tokenizer == "byte":
-        return lambda text: data.encode_bytes(text).tolist()
+        problem = problem_with("\0")
+        return TextTokenizer("byte", refusing(lambda text: data.encode_bytes(text).tolist(), problem),
+                             lambda ids: data.decode_bytes(ids), data.BYTE_EOT, problem)
     if tokenizer == "gpt2":
         import tiktoken
 
-        return tiktoken.get_encoding("gpt2").encode_ordinary
-    raise EvalError(f"the checkpoint was trained on {tokenizer!r} tokens, which have no text to render the "
-                    f"task in; HellaSwag needs a checkpoint trained on gpt2 or byte shards")
+        enc = tiktoken.get_encoding("gpt2")
+        problem = problem_with("<|endoftext|>")
+        return TextTokenizer("gpt2", refusing(enc.encode_ordinary, problem), enc.decode, data.EOT, problem)
+    raise EvalError(f"the checkpoint was trained on {tokenizer!r} tokens, which have no text to render a task in; "
+                    f"text evaluations (HellaSwag, lm-evaluation-harness tasks) need a checkpoint trained on gpt2 "
+                    f"or byte shards")
+
+
+def encoder(tokenizer):
+    """text -> token ids, for the tokenizers that have text (text_tokenizer)."""
+    return text_tokenizer(tokenizer).encode
 
 
 def read_val(data_dir, n_tokens):
@@ -395,6 +440,196 @@ def hellaswag_on_ranks(model, tokenizer, cache_dir, file="", device="cpu", autoc
     return hellaswag(model, items, tokenizer, device, autocast, max_len, batch_items, rank, world)
 
 
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+
+@torch.no_grad()
+def continuation_log_probs(model, pairs, max_len, batch_size=8, device="cpu", autocast=nullcontext()):
+    """[(context ids, continuation ids)] -> [(log p(continuation | context), greedy)], in order:
+    the summed log-probability (nats) of the continuation's tokens, and whether each of them is
+    the model's most likely next token.
+
+    A row is the last max_len + 1 tokens of context + continuation, less the last token (the
+    rule of the harness's Hugging Face model): a context too long for the model loses its first
+    tokens; a continuation longer than max_len is refused (EvalError), since its first tokens
+    could not be scored. Rows run longest first, batch_size at a time, right-padded: a causal
+    model's outputs at a position never depend on the padding after it."""
+    for context, continuation in pairs:
+        if len(continuation) > max_len:
+            raise EvalError(f"a continuation of {len(continuation)} tokens is longer than the model's context of "
+                            f"{max_len}; raise max_length in --model_args")
+    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+    out = [None] * len(pairs)
+    for start in range(0, len(order), batch_size):
+        batch = order[start: start + batch_size]
+        rows = [(pairs[i][0] + pairs[i][1])[-(max_len + 1):][:-1] for i in batch]
+        idx = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (B, T)
+        for r, row in enumerate(rows):
+            idx[r, :len(row)] = torch.tensor(row)
+        with autocast:
+            logits = model(idx.to(device))[0]  # (B, T, V)
+        for r, i in enumerate(batch):
+            continuation = torch.tensor(pairs[i][1], device=logits.device)  # (n,)
+            end = len(rows[r])  # position t predicts token t + 1: the continuation's n tokens
+            log_p = logits[r, end - len(continuation): end].float().log_softmax(-1)  # (n, V)
+            out[i] = (float(log_p.gather(1, continuation[:, None]).sum()),
+                      bool((log_p.argmax(-1) == continuation).all()))
+    return out
+
+
+try:  # optional: pip install -r requirements-dev.txt (the pinned lm-eval)
+    import lm_eval.models  # noqa: F401  lm_eval adds its own only to an empty registry: first, so ours hides none
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import model_registry
+except ImportError:
+    TemplateLM, model_registry = object, None
+
+HARNESS_MODEL = "attention-gym-lm"  # the name lm_eval's --model knows this adapter by
+
+
+class HarnessLM(TemplateLM):
+    """A checkpoint of ours (any variant) as an lm-evaluation-harness model: loglikelihood,
+    rolling loglikelihood (perplexity tasks) and greedy generation.
+
+    --model_args: ckpt (a run folder or checkpoint file, required), max_length (default: the
+    trained seq_len), kernel (ref | fused; default: the checkpoint's). The harness's
+    --batch_size and --device reach it too (device: CUDA when there is one, else CPU; the
+    harness's default cuda:0 falls back to CPU with a note when there is none). On CUDA the
+    forward runs in bf16 autocast, log-probabilities in float32.
+
+    Text is encoded with the checkpoint's tokenizer (text_tokenizer); an empty context is the
+    document separator every training document starts with. A context longer than max_length
+    loses its first tokens (continuation_log_probs); rolling loglikelihood scores a text in
+    the harness's windows of max_length (get_rolling_token_windows: every token scored once,
+    the first window after the separator, each later one from the token before it, the last
+    from a full window). A request whose text the tokenizer refuses is one EvalError naming its
+    task and document, before any is scored."""
+
+    def __init__(self, ckpt="", max_length=0, kernel="", batch_size=8, device="", max_batch_size=None, **unknown):
+        if model_registry is None:
+            raise EvalError("the lm-evaluation-harness adapter needs lm_eval: pip install -r requirements-dev.txt")
+        super().__init__()
+        from model import CheckpointError, load_checkpoint
+
+        if unknown:
+            raise EvalError(f"{HARNESS_MODEL}: unknown --model_args {sorted(unknown)}; "
+                            f"it takes ckpt, max_length, kernel")
+        if not ckpt:
+            raise EvalError(f"{HARNESS_MODEL}: --model_args ckpt=RUN_DIR_OR_FILE is required")
+        if batch_size == "auto" or str(batch_size).startswith("auto"):
+            print(f"note: {HARNESS_MODEL} has no automatic batch size; using 8 (set --batch_size N)", file=sys.stderr)
+            batch_size = 8
+        device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            print(f"note: {HARNESS_MODEL}: no CUDA device here, running on cpu", file=sys.stderr)
+            device = "cpu"
+        self.model, checkpoint = load_checkpoint(str(ckpt), device, kernel=kernel or None)  # CheckpointError: one line
+        self.tokenizer = text_tokenizer(checkpoint.get("tokenizer", "gpt2"))
+        top = data.TOKENIZERS[self.tokenizer.name][0] - 1
+        if top >= self.model.cfg.vocab_size:
+            raise CheckpointError(f"{ckpt}: the model embeds {self.model.cfg.vocab_size} token ids, fewer than "
+                                  f"the {top + 1} of its recorded {self.tokenizer.name} tokenizer")
+        self.max_length = int(max_length) or (checkpoint.get("train_config") or {}).get("seq_len") or 1024
+        self.batch_size = int(batch_size)
+        self._device = torch.device(device)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+
+    # what TemplateLM asks of a model: its separator, its encoder, and a scorer of token pairs
+
+    @property
+    def eot_token_id(self):
+        return self.tokenizer.separator
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        return self.tokenizer.encode(string)
+
+    def tok_decode(self, tokens, **kwargs):
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        """[(cache key: (context, continuation) text, context ids, continuation ids)] -> [(log p, greedy)]."""
+        for key, _, continuation in requests:
+            if len(continuation) > self.max_length:  # the harness's HF model refuses these too (an assert)
+                raise EvalError(f"the continuation {key[1]!r} is {len(continuation)} tokens, more than the model's "
+                                f"context of {self.max_length}; raise max_length in --model_args or drop the task")
+        scores = continuation_log_probs(self.model, [(c, x) for _, c, x in requests], self.max_length,
+                                        self.batch_size, self.device, self.autocast)
+        for (key, _, _), score in zip(requests, scores):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, score)
+        return scores
+
+    def check_text(self, requests):
+        """One EvalError naming the first request whose text the tokenizer cannot encode."""
+        for r in requests:
+            for text in r.args:
+                why = self.tokenizer.problem(text) if isinstance(text, str) else None
+                if why:
+                    raise EvalError(f"task {r.task_name!r}, document {r.doc_id}: {why}, which this checkpoint's "
+                                    f"tokenizer cannot encode; drop the task or fix its documents")
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        self.check_text(requests)
+        return super().loglikelihood(requests, disable_tqdm)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        self.check_text(requests)
+        windows, owner = [], []  # (context, continuation) ids; the request each came from
+        for i, r in enumerate(requests):
+            for window in get_rolling_token_windows(self.tok_encode(r.args[0]), self.prefix_token_id,
+                                                    self.max_length, context_len=1):
+                windows.append(make_disjoint_window(window))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (log_p, _) in zip(owner, continuation_log_probs(self.model, windows, self.max_length, self.batch_size,
+                                                               self.device, self.autocast)):
+            totals[i] += log_p
+        for r, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm=False):
+        """Greedy decoding with the KV cache, one request at a time, until a stop string
+        (`until`, default: the separator's text), the separator itself, or max_gen_toks
+        (default 256). The context keeps its last max_length - max_gen_toks tokens (at least
+        one), as the harness's Hugging Face model does."""
+        self.check_text(requests)
+        outputs = []
+        for r in requests:
+            context, kwargs = r.args
+            kwargs = dict(kwargs or {})
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0) > 0:
+                raise EvalError(f"task {r.task_name!r} asks for sampling ({kwargs}); {HARNESS_MODEL} generates "
+                                f"greedily only (do_sample=False)")
+            until = kwargs.get("until") or [self.tokenizer.decode([self.tokenizer.separator])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", 256))
+            ids = self.tok_encode(context)[-max(1, self.max_length - max_new):] or [self.tokenizer.separator]
+            cache, inputs, new = self.model.new_cache(), torch.tensor([ids], device=self.device), []
+            text = ""
+            for _ in range(max_new):
+                with self.autocast:
+                    token = int(self.model(inputs, cache=cache)[0][0, -1].argmax())
+                if token == self.tokenizer.separator:
+                    break
+                new.append(token)
+                text = self.tokenizer.decode(new)
+                if any(stop in text for stop in until):
+                    break
+                inputs = torch.tensor([[token]], device=self.device)
+            for stop in until:
+                text = text.split(stop)[0]
+            self.cache_hook.add_partial("generate_until", r.args, text)
+            outputs.append(text)
+        return outputs
+
+
+if model_registry is not None and HARNESS_MODEL not in model_registry:  # once, however often this file is imported
+    model_registry.register(HARNESS_MODEL)(HarnessLM)
+
+
 # ----------------------------------------------------------------------------- one checkpoint or run
 
 def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=8, batch_size=4,
@@ -438,12 +673,39 @@ DEFAULTS = dict(ckpt="", data_dir="", out="", n_seq=64, batch_size=4, hellaswag=
                 device="auto", kernel="")
 
 
+def harness_main(args):
+    """`python evaluate.py harness ARGS`: lm_eval's own command line (ARGS as they would follow
+    `lm_eval`) in a process where HarnessLM is registered as HARNESS_MODEL. lm_eval 0.4.13
+    finds models only in its registry, filled at import (no plugin entry points), so its own
+    `lm_eval` command cannot see this one. A checkpoint or a task this adapter cannot use is
+    one line on stderr and exit status 1."""
+    from model import CheckpointError
+
+    if model_registry is None:
+        print("evaluate.py harness: needs lm_eval: pip install -r requirements-dev.txt", file=sys.stderr)
+        return 1
+    from lm_eval.__main__ import cli_evaluate
+
+    saved, sys.argv = sys.argv, ["lm_eval", *args]
+    try:
+        cli_evaluate()
+    except (EvalError, CheckpointError) as e:
+        print(f"evaluate.py harness: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv=None):
     """The command line (module docstring); flags: DEFAULTS, as --key=value."""
     from model import CheckpointError, load_checkpoint
     from train import cuda_missing, fail, init_process_group, parse_flags, resolve_device
 
-    given, _ = parse_flags(sys.argv[1:] if argv is None else argv, {"keys": DEFAULTS}, "evaluate.py", doc=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["harness"]:
+        return harness_main(argv[1:])
+    given, _ = parse_flags(argv, {"keys": DEFAULTS}, "evaluate.py", doc=__doc__)
     args = {**DEFAULTS, **given}
     if not args["ckpt"]:
         fail("evaluate.py: --ckpt=RUN_DIR_OR_FILE is required")
