@@ -114,8 +114,8 @@ def test_another_norm_eps_is_computed_or_refused(tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=0.5)
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(cfg).eval()
-    for p in hf.parameters():
-        p.data.normal_(0, 0.1)
+    for p in hf.parameters():  # large enough that the eps of q_norm and k_norm moves the logits
+        p.data.normal_(0, 0.5)
     hf.save_pretrained(tmp_path)
     try:
         model, _ = M.load_hf(tmp_path)
@@ -394,6 +394,17 @@ def test_token_bytes_of_a_tokenizer_file_count_the_text(bpe):
         ids = tok.encode(text)
         assert int(counts[ids].sum()) == len(text.encode("utf-8")), text
         assert tok.decode(ids) == text
+    # Added tokens (Qwen's "<think>" is one, not special) decode as their text; special ones
+    # (Qwen's "<|im_end|>") have none.
+    extended = Tokenizer.from_file(bpe[1])
+    extended.add_tokens(["<think>"])
+    extended.add_special_tokens(["<|im_end|>"])
+    tok = data.load_tokenizer({"name": "extended", "json": extended.to_str()})
+    counts = tok.token_bytes(tok.n_ids)
+    think, im_end = extended.token_to_id("<think>"), extended.token_to_id("<|im_end|>")
+    assert counts[think] == 7 and counts[im_end] == 0
+    ids = tok.encode("<think> café <|im_end|>")
+    assert think in ids and im_end not in ids and int(counts[ids].sum()) == len("<think> café <|im_end|>".encode("utf-8"))
 
 
 def test_token_bytes_of_sentencepiece_pieces():
