@@ -174,10 +174,12 @@ class TextTokenizer:
 
     name (for messages and records), kind ('gpt2' | 'byte' | 'file'), n_ids (the ids it can
     write: an embedding needs at least this many rows), eot (the id written before every
-    document), encode(text) -> [ids] (special-token text in it is plain text, as GPT-2's
-    encode_ordinary), decode(ids) -> str, token_bytes(vocab_size) -> the UTF-8 bytes of each
-    id's text (for bits per byte), fingerprint (equal for tokenizers that map text to the same
-    ids) and spec (what a checkpoint stores: load_tokenizer(spec) gives this tokenizer back)."""
+    document), dtype (of its shards: uint32 beyond 65,536 ids), encode(text) -> [ids]
+    (special-token text in it is plain text, as GPT-2's encode_ordinary), decode(ids) -> str,
+    token_bytes(vocab_size) (for bits per byte), fingerprint (equal for tokenizers that map
+    text to the same ids), spec (what a checkpoint stores: load_tokenizer(spec) gives this
+    tokenizer back) and, for a file, json_text (its content) and source (its path, if read
+    from one)."""
 
     def __init__(self, kind, name, n_ids, eot, source=None, text=None, hf=None):
         self.kind, self.name, self.n_ids, self.eot, self.source = kind, name, n_ids, eot, source
@@ -219,9 +221,9 @@ class TextTokenizer:
     def token_bytes(self, vocab_size):
         """(vocab_size,) int64: the UTF-8 bytes of each id's text, 0 for the document separator,
         for special tokens and for ids the tokenizer does not write (the vocabulary's padding).
-        A tokenizer file decoding bytes ([GPT-2]'s byte-level BPE: GPT-2's, Qwen's, Llama 3's)
-        gives exact counts; one with SentencePiece pieces counts '▁' as a space and '<0xNN>'
-        as one byte."""
+        A tokenizer file decoding bytes (GPT-2's byte-level BPE, kept by Qwen and Llama 3)
+        gives exact counts; one of SentencePiece pieces counts '▁' as a space and '<0xNN>' as
+        one byte (so a document's prefix space counts, though its text lacks it)."""
         self.check_fits(vocab_size)
         counts = np.zeros(vocab_size, dtype=np.int64)
         if self.kind == "byte":
@@ -248,7 +250,7 @@ class TextTokenizer:
 
 def byte_level_alphabet():
     """{byte: character}: the printable stand-in of each byte in a byte-level BPE vocabulary
-    ([GPT-2]'s, kept by Qwen and Llama 3): printable Latin-1 bytes stand for themselves, the
+    (GPT-2's, kept by Qwen and Llama 3): printable Latin-1 bytes stand for themselves, the
     68 others (controls, space, ...) for U+0100 onward in byte order."""
     printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
     shifted = iter(range(0x100, 0x200))
@@ -308,8 +310,11 @@ def load_tokenizer(spec):
             raise ShardError(f"{spec}: a folder without {TOKENIZER_FILE}; give gpt2, byte, a Hugging "
                              f"Face tokenizer.json or a folder holding one (a checkpoint's, or shards')")
     if not os.path.isfile(path):
-        raise ShardError(f"tokenizer {spec!r}: neither gpt2 nor byte, and no such file or folder; give "
-                         f"one of those, a tokenizer.json or a folder holding one")
+        if not (os.sep in spec or spec.endswith(".json")):  # a name a record or checkpoint gave (recall)
+            raise NoText(f"tokenizer {spec!r}: not gpt2 or byte, so no text (the recall probe's ids have "
+                         f"none); give gpt2, byte, a tokenizer.json or a folder holding one")
+        raise ShardError(f"tokenizer {spec!r}: no such file or folder; give gpt2, byte, a tokenizer.json "
+                         f"or a folder holding one")
     text = Path(path).read_text(encoding="utf-8")
     try:
         parsed = json.loads(text)
@@ -336,6 +341,17 @@ def load_tokenizer(spec):
     if name in TOKENIZERS:
         return load_tokenizer(name)
     raise NoText(f"{folder} holds {name} token ids, which have no text to encode or decode")
+
+
+def tokenizer_spec(data_dir):
+    """What a checkpoint records of data_dir's tokenizer: load_tokenizer(spec) gives it back (its
+    name; for a tokenizer file, its name and JSON), or the name of ids without text."""
+    if not os.path.exists(os.path.join(data_dir, TOKENIZER_FILE)):
+        return "gpt2"  # as tokenizer_of says
+    try:
+        return load_tokenizer(data_dir).spec
+    except NoText:
+        return tokenizer_of(data_dir)[0]
 
 
 def record_tokenizer(out_dir, tok):

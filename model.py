@@ -457,9 +457,9 @@ def read_hf_config(folder):
         for i in range(n_layer)]
     sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
     if sliding:
-        raise CheckpointError(f"{path}: layers {sliding[0]}..{sliding[-1]} use sliding-window attention "
-                              f"(sliding_window {config.get('sliding_window')}): model.py's Qwen3 attends "
-                              f"to every earlier token in every layer")
+        raise CheckpointError(f"{path}: sliding-window attention (sliding_window {config.get('sliding_window')}) "
+                              f"in layer(s) {', '.join(map(str, sliding))}: model.py's Qwen3 attends to every "
+                              f"earlier token in every layer")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise CheckpointError(f"{path}: scaled RoPE ({json.dumps(rope)}): model.py computes plain RoPE only")
@@ -486,7 +486,8 @@ def hf_model_config(path, **settings):
     try:
         return ModelConfig(**sizes, **settings)
     except ValueError as e:  # e.g. a variant whose sizes do not fit this checkpoint's heads
-        raise CheckpointError(f"{folder}: attn={settings.get('attn', 'full')} cannot use this checkpoint: {e}") from None
+        attn = settings.get("attn", "full")
+        raise CheckpointError(f"{folder}: attn={attn} cannot use this checkpoint: {e}") from None
 
 
 def hf_shapes(cfg):
@@ -558,8 +559,9 @@ def load_hf(path, device="cpu", **settings):
     where = os.path.join(folder, HF_INDEX if os.path.isfile(os.path.join(folder, HF_INDEX)) else HF_WEIGHTS)
     missing = [name for name in shapes if name not in files]
     if missing:
-        raise CheckpointError(f"{where}: missing {missing[0]}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, "
-                              f"which a {HF_ARCHITECTURE} of config.json's sizes has")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing {missing[0]}{more}, which a {HF_ARCHITECTURE} of "
+                              f"config.json's sizes has")
     extra = [n for n in files if n not in shapes and n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")]
     if extra:
         raise CheckpointError(f"{where}: unexpected tensor {extra[0]}: not part of a {HF_ARCHITECTURE} of "
@@ -590,7 +592,8 @@ def load_hf(path, device="cpu", **settings):
                         raise CheckpointError(f"attn={cfg.attn}: the variant has no parameter {our_name(name)} "
                                               f"to hold {name}")
                     ours[our_name(name)].copy_(f.get_tensor(name))
-    if tied_head is not None and not torch.equal(tied_head.to(model.embed_tokens.weight.dtype), model.embed_tokens.weight):
+    embed = model.embed_tokens.weight
+    if tied_head is not None and not torch.equal(tied_head.to(embed.dtype), embed):
         raise CheckpointError(f"{where}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
                               f"ties them (tie_word_embeddings); the checkpoint contradicts its config")
     params = {name: NEW for name, _ in model.named_parameters()}

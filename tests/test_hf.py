@@ -176,7 +176,8 @@ def test_qwen3_06b_sizes_fit_every_variant(tmp_path, attn):
     default sizes (on the meta device: no memory, no weights)."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
     cfg = M.hf_model_config(tmp_path, attn=attn)
-    assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model, cfg.mlp_hidden) == (28, 16, 8, 128, 1024, 3072)
+    sizes = (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model, cfg.mlp_hidden)
+    assert sizes == (28, 16, 8, 128, 1024, 3072)
     assert (cfg.vocab_size, cfg.rope_theta, cfg.tie_embeddings, cfg.norm_eps) == (151936, 1e6, True, 1e-6)
     with torch.device("meta"):
         model = M.Model(cfg)
@@ -280,10 +281,11 @@ def add(name, shape):
 
 BAD_CHECKPOINTS = {
     "llama": (dict(architectures=["LlamaForCausalLM"], model_type="llama"), None,
-              "LlamaForCausalLM (model_type 'llama') is not supported; model.py loads Qwen3ForCausalLM (model_type qwen3)"),
+              "LlamaForCausalLM (model_type 'llama') is not supported; model.py loads Qwen3ForCausalLM "
+              "(model_type qwen3)"),
     "bias": (dict(attention_bias=True), None, "attention_bias is true"),
     "sliding": (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None), None,
-                "layers 1..1 use sliding-window attention (sliding_window 8)"),
+                "sliding-window attention (sliding_window 8) in layer(s) 1:"),
     "yarn": (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), None, "scaled RoPE"),
     "gelu": (dict(hidden_act="gelu"), None, "hidden_act 'gelu'"),
     "missing": ({}, drop("model.layers.1.self_attn.k_norm.weight"), "missing model.layers.1.self_attn.k_norm.weight,"),
@@ -380,7 +382,8 @@ def test_shards_of_a_tokenizer_file(bpe, bpe_shards):
     encoded = [[tok.eot] + ordinary.encode(d).ids for d in docs]
     ends = np.cumsum([len(e) for e in encoded])
     crossing = int(np.searchsorted(ends, 500, side="left"))  # the val shard cuts this document
-    assert stream == [t for e in encoded[: crossing + 1] for t in e][:500] + [t for e in encoded[crossing + 1:] for t in e]
+    val = [t for e in encoded[: crossing + 1] for t in e][:500]
+    assert stream == val + [t for e in encoded[crossing + 1:] for t in e]
     # decoding the stream gives the documents back, each after its separator
     assert again.decode(stream[500:]) == "".join("<|endoftext|>" + d for d in docs[crossing + 1:])
 
@@ -404,7 +407,8 @@ def test_token_bytes_of_a_tokenizer_file_count_the_text(bpe):
     think, im_end = extended.token_to_id("<think>"), extended.token_to_id("<|im_end|>")
     assert counts[think] == 7 and counts[im_end] == 0
     ids = tok.encode("<think> café <|im_end|>")
-    assert think in ids and im_end not in ids and int(counts[ids].sum()) == len("<think> café <|im_end|>".encode("utf-8"))
+    assert think in ids and im_end not in ids
+    assert int(counts[ids].sum()) == len("<think> café <|im_end|>".encode("utf-8"))
 
 
 def test_token_bytes_of_sentencepiece_pieces():
@@ -482,6 +486,21 @@ def test_a_shard_folder_of_another_tokenizer_is_refused(tmp_path, bpe, bpe_shard
         msg = str(e.value)
         assert f"holds tokens of {made}, but the model's tokenizer is {model_tok.name}" in msg, msg
         assert "python data.py --tokenizer=" in msg and "\n" not in msg
+
+
+def test_a_checkpoint_records_the_tokenizer_and_gets_it_back(tmp_path, bpe, bpe_shards):
+    """tokenizer_spec(data_dir) is what train.py stores; load_tokenizer(spec) gives the same
+    tokenizer back without the shard folder, or NoText for ids without text."""
+    spec = data.tokenizer_spec(bpe_shards[0])
+    back = data.load_tokenizer(json.loads(json.dumps(spec)))  # plain JSON: a weights-only checkpoint holds it
+    original = data.load_tokenizer(bpe[1])
+    assert back.fingerprint == original.fingerprint and back.encode(ENGLISH) == original.encode(ENGLISH)
+    assert data.tokenizer_spec(tmp_path) == "gpt2"  # no record: GPT-2's (public shards)
+    data.write_tokenizer(tmp_path, "recall", 96)
+    assert data.tokenizer_spec(tmp_path) == "recall"
+    for spec in ("recall", "mqar"):
+        with pytest.raises(data.NoText, match="no text"):
+            data.load_tokenizer(spec)
 
 
 @pytest.mark.parametrize("spec,words", [
