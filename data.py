@@ -257,9 +257,8 @@ def byte_level_alphabet():
     return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
 
 
-@functools.lru_cache(maxsize=None)
 def _gpt2():
-    import tiktoken  # lazy: GPT-2's BPE files are downloaded on first use
+    import tiktoken  # lazy: GPT-2's BPE files are downloaded on first use (tiktoken keeps them)
     return tiktoken.get_encoding("gpt2")
 
 
@@ -295,11 +294,14 @@ def load_tokenizer(spec):
     folder holding one (a checkpoint's) | a shard folder (the tokenizer its record names; a
     folder of shards without a record holds GPT-2's, as tokenizer_of says) | a spec a
     TextTokenizer gave (a checkpoint stores it). NoText for ids without text (the recall
-    probe's), ShardError naming the problem for anything else."""
+    probe's), ShardError naming the problem for anything else; OSError for gpt2 when tiktoken
+    cannot load GPT-2's BPE files (offline, first use)."""
     if isinstance(spec, dict):
         return _tokenizer_file(spec["json"], spec["name"])
     spec = str(spec)
     if spec in TOKENIZERS:
+        if spec == "gpt2":
+            _gpt2()  # GPT-2's BPE files: an OSError now, not at the first encode, when they cannot load
         return TextTokenizer(spec, spec, *TOKENIZERS[spec])
     path = spec
     if os.path.isdir(path):
@@ -371,15 +373,14 @@ def record_tokenizer(out_dir, tok):
 
 def check_tokenizer(data_dir, tok):
     """A clear error when data_dir's shards were not made with the tokenizer `tok` (a
-    model's): the same id would stand for other text."""
-    try:
-        have = load_tokenizer(data_dir)
-    except NoText:
-        have = None
-    if have is None or have.fingerprint != tok.fingerprint:
-        made = have.name if have else tokenizer_of(data_dir)[0]
+    model's): the same id would stand for other text. Reads the folder's record alone."""
+    name = tokenizer_of(data_dir)[0]
+    path = os.path.join(data_dir, TOKENIZER_FILE)
+    record = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    made = record.get("sha256") or (name if name in TOKENIZERS else None)
+    if made != tok.fingerprint:
         how = (tok.source or "PATH/tokenizer.json") if tok.kind == "file" else tok.name
-        raise ShardError(f"{data_dir} holds tokens of {made}, but the model's tokenizer is {tok.name}; "
+        raise ShardError(f"{data_dir} holds tokens of {name}, but the model's tokenizer is {tok.name}; "
                          f"make shards with the model's: `python data.py --tokenizer={how} "
                          f"--source=... --out_dir=...`")
 
