@@ -474,12 +474,16 @@ def test_a_shard_folder_of_another_tokenizer_is_refused(tmp_path, bpe, bpe_shard
     data.check_tokenizer(out, data.load_tokenizer({"name": "re-saved", "json": bpe[0].to_str(pretty=False)}))
     other = train_bpe(DOCS * 4, extra=["<pad>"])  # one more special token: ids shift
     other_tok = data.load_tokenizer({"name": "other/tokenizer.json", "json": other.to_str()})
+    added = Tokenizer.from_file(bpe[1])
+    added.add_tokens(["<think>"])  # the same BPE with one added token: "<think>" gets another id
+    added_tok = data.load_tokenizer({"name": "added/tokenizer.json", "json": added.to_str()})
     byte_dir, gpt2_dir = tmp_path / "bytes", tmp_path / "public_gpt2"  # the latter without a record
     for folder in (byte_dir, gpt2_dir):
         folder.mkdir()
         data.write_shard(folder / "x_val_000000.bin", np.arange(10, dtype=np.uint16))
     data.write_tokenizer(byte_dir, "byte", 256)
-    for folder, model_tok, made in [(out, other_tok, tok.name), (out, data.load_tokenizer("byte"), tok.name),
+    for folder, model_tok, made in [(out, other_tok, tok.name), (out, added_tok, tok.name),
+                                    (out, data.load_tokenizer("byte"), tok.name),
                                     (byte_dir, tok, "byte"), (gpt2_dir, tok, "gpt2")]:
         with pytest.raises(data.ShardError) as e:
             data.check_tokenizer(folder, model_tok)
