@@ -10,11 +10,15 @@ Make shards:
     python data.py --source=fineweb-gpt2 --out_dir=data/fineweb10B --shards=8
     python data.py --source='texts/*.jsonl' --out_dir=data/mine [--val_source=val.jsonl]
     python data.py --tokenizer=byte --source=texts.jsonl --out_dir=data/bytes   # CPU scale
+    python data.py --tokenizer=path/to/Qwen3-0.6B --source=fineweb --out_dir=data/qwen3
 
-Tokenizers: `gpt2` (tiktoken's GPT-2 BPE, the papers' setting) or
+Tokenizers: `gpt2` (tiktoken's GPT-2 BPE, the papers' setting),
 `byte` (the 256 byte values of the UTF-8 text: no dependency, and a model small enough for
-a CPU learns it in minutes). The folder's tokenizer.json records which one made the shards
-(`tokenizer_of`); train.py takes the vocabulary size from it and sample.py decodes with it.
+a CPU learns it in minutes), or a pretrained checkpoint's own tokenizer.json (read with the
+`tokenizers` library; shards of more than 65,536 ids hold uint32 tokens). The folder's
+tokenizer.json records which one made the shards (`tokenizer_of`; a tokenizer file is copied
+beside it) and `load_tokenizer` reads any of them back; train.py takes the vocabulary size from
+it and sample.py decodes with it.
 At the end data.py prints the unigram baseline (`unigram_loss`): the val loss of a model
 that ignores all context, the number a trained model must beat.
 
@@ -25,9 +29,11 @@ Read them (train.py does this):
 import argparse
 import functools
 import glob
+import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 from multiprocessing import Pool
 from pathlib import Path
@@ -36,6 +42,9 @@ import numpy as np
 import torch
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+# Vocabularies over 65,536 ids (Qwen3's 151,669) need uint32 tokens: llm.c's Llama-3 header.
+MAGIC32, VERSION32 = 20240801, 7
+SHARD_DTYPES = {(MAGIC, VERSION): np.uint16, (MAGIC32, VERSION32): np.uint32}  # (magic, version) -> tokens
 HEADER_BYTES = HEADER_INTS * 4
 EOT = 50256  # GPT-2 <|endoftext|>, written before every document (as llm.c does)
 BYTE_EOT = 0  # the byte tokenizer's document separator: NUL, which text practically never holds
@@ -144,15 +153,248 @@ def unigram_loss(data_dir, val_tokens=None):
     return float(-log_p[val.astype(np.int64)].mean())
 
 
+# ----------------------------------------------------------------------------- a tokenizer file
+# The third kind beside gpt2 and byte: a Hugging Face `tokenizers` file (tokenizer.json), such
+# as a pretrained Qwen3's. `python data.py --tokenizer=PATH` writes shards with it and keeps a
+# copy in the shard folder beside the record, so the folder itself says which text every id
+# stands for; load_tokenizer reads any of the three kinds back behind one interface.
+
+TOKENIZER_COPY = "hf_tokenizer.json"  # the copy of a tokenizer file, beside the record
+# A tokenizer file's document separator: the first of these it holds (GPT-2's and Qwen's,
+# Llama 3's, SentencePiece's, Gemma's), written before every document as EOT is for GPT-2.
+DOC_SEPARATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+class NoText(ShardError):
+    """Token ids with no text behind them (the recall probe's): nothing to encode or decode."""
+
+
+class TextTokenizer:
+    """One interface over the three kinds of tokenizer; `load_tokenizer` makes them.
+
+    name (for messages and records), kind ('gpt2' | 'byte' | 'file'), n_ids (the ids it can
+    write: an embedding needs at least this many rows), eot (the id written before every
+    document), dtype (of its shards: uint32 beyond 65,536 ids), encode(text) -> [ids]
+    (special-token text in it is plain text, as GPT-2's encode_ordinary), decode(ids) -> str,
+    token_bytes(vocab_size) (for bits per byte), fingerprint (equal for tokenizers that map
+    text to the same ids), spec (what a checkpoint stores: load_tokenizer(spec) gives this
+    tokenizer back) and, for a file, json_text (its content) and source (its path, if read
+    from one)."""
+
+    def __init__(self, kind, name, n_ids, eot, source=None, text=None, hf=None):
+        self.kind, self.name, self.n_ids, self.eot, self.source = kind, name, n_ids, eot, source
+        self.dtype = np.uint16 if n_ids <= 2 ** 16 else np.uint32  # of its shards
+        self.json_text, self._hf = text, hf  # a tokenizer file's JSON and its tokenizers.Tokenizer
+        if kind == "file":
+            parsed = {k: v for k, v in json.loads(text).items() if k not in ("truncation", "padding")}
+            canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            self.fingerprint = "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        else:
+            self.fingerprint = kind
+
+    @property
+    def spec(self):
+        return self.name if self.kind != "file" else {"name": self.name, "json": self.json_text}
+
+    def encode(self, text):
+        if self.kind == "byte":
+            return encode_bytes(text).tolist()
+        if self.kind == "gpt2":
+            return _gpt2().encode_ordinary(text)
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        if self.kind == "byte":
+            return decode_bytes(ids)
+        if self.kind == "gpt2":
+            return _gpt2().decode(ids)
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+    def check_fits(self, vocab_size, what="the model's embedding"):
+        """A clear error when a model of vocab_size ids cannot embed every id this writes."""
+        if self.n_ids > vocab_size:
+            raise ShardError(f"the tokenizer {self.name} writes {self.n_ids} token ids but {what} has "
+                             f"{vocab_size} rows, so ids {vocab_size}..{self.n_ids - 1} have none; use "
+                             f"the model's own tokenizer (its checkpoint's tokenizer.json)")
+
+    def token_bytes(self, vocab_size):
+        """(vocab_size,) int64: the UTF-8 bytes of each id's text, 0 for the document separator,
+        for special tokens and for ids the tokenizer does not write (the vocabulary's padding).
+        A tokenizer file decoding bytes (GPT-2's byte-level BPE, kept by Qwen and Llama 3)
+        gives exact counts; one of SentencePiece pieces counts '▁' as a space and '<0xNN>' as
+        one byte (so a document's prefix space counts, though its text lacks it)."""
+        self.check_fits(vocab_size)
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        if self.kind == "byte":
+            counts[:256] = 1
+        elif self.kind == "gpt2":
+            enc = _gpt2()
+            counts[:enc.n_vocab] = [len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+        else:
+            parsed = json.loads(self.json_text)
+            byte_of = {c: b for b, c in byte_level_alphabet().items()}
+            byte_level = "ByteLevel" in json.dumps(parsed.get("decoder"))
+            for piece, i in self._hf.get_vocab(with_added_tokens=False).items():
+                if byte_level and all(c in byte_of for c in piece):
+                    counts[i] = len(piece)  # one character per byte
+                elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                    counts[i] = 1  # SentencePiece's byte fallback
+                else:
+                    counts[i] = len(piece.replace("\u2581", " ").encode("utf-8"))
+            for added in parsed.get("added_tokens", []):  # decoded as their text, unless special
+                counts[added["id"]] = 0 if added["special"] else len(added["content"].encode("utf-8"))
+        counts[self.eot] = 0
+        return counts
+
+
+def byte_level_alphabet():
+    """{byte: character}: the printable stand-in of each byte in a byte-level BPE vocabulary
+    (GPT-2's, kept by Qwen and Llama 3): printable Latin-1 bytes stand for themselves, the
+    68 others (controls, space, ...) for U+0100 onward in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(0x100, 0x200))
+    return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
+
+
+def _gpt2():
+    import tiktoken  # lazy: GPT-2's BPE files are downloaded on first use (tiktoken keeps them)
+    return tiktoken.get_encoding("gpt2")
+
+
+def _tokenizer_file(text, name, source=None):
+    """A TextTokenizer of the Hugging Face tokenizer file with JSON `text`."""
+    from tokenizers import Tokenizer  # lazy: only tokenizer files need it
+    where = source or name
+    try:
+        hf = Tokenizer.from_str(text)
+    except Exception as e:  # the tokenizers library names the field it could not read
+        raise ShardError(f"{where}: not a tokenizer file the `tokenizers` library can read "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    hf.encode_special_tokens = True  # "<|endoftext|>" inside a web page is text, as in encode_ordinary
+    vocab = hf.get_vocab(with_added_tokens=True)
+    separator = next((s for s in DOC_SEPARATORS if s in vocab), None)
+    if separator is None:
+        raise ShardError(f"{where}: the tokenizer has no document separator (none of "
+                         f"{', '.join(DOC_SEPARATORS)} is a token); add one as a special token")
+    return TextTokenizer("file", name, max(vocab.values()) + 1, vocab[separator], source, text, hf)
+
+
+def _file_label(path):
+    """'Qwen/Qwen3-0.6B/tokenizer.json' for a file in the Hub's cache, else its folder's name and
+    its own: a name that never equals 'gpt2' or 'byte'."""
+    parts = Path(os.path.abspath(path)).parts
+    repo = next((p for p in parts if p.startswith("models--")), None)
+    folder = repo[len("models--"):].replace("--", "/") if repo else parts[-2] if len(parts) > 1 else ""
+    return f"{folder}/{parts[-1]}"
+
+
+def load_tokenizer(spec):
+    """spec -> TextTokenizer. spec: 'gpt2' | 'byte' | a Hugging Face tokenizer.json file | a
+    folder holding one (a checkpoint's) | a shard folder (the tokenizer its record names; a
+    folder of shards without a record holds GPT-2's, as tokenizer_of says) | a spec a
+    TextTokenizer gave (a checkpoint stores it). NoText for ids without text (the recall
+    probe's), ShardError naming the problem for anything else; OSError for gpt2 when tiktoken
+    cannot load GPT-2's BPE files (offline, first use)."""
+    if isinstance(spec, dict):
+        return _tokenizer_file(spec["json"], spec["name"])
+    spec = str(spec)
+    if spec in TOKENIZERS:
+        if spec == "gpt2":
+            _gpt2()  # GPT-2's BPE files: an OSError now, not at the first encode, when they cannot load
+        return TextTokenizer(spec, spec, *TOKENIZERS[spec])
+    path = spec
+    if os.path.isdir(path):
+        path = os.path.join(spec, TOKENIZER_FILE)
+        if not os.path.exists(path):
+            if glob.glob(os.path.join(spec, "*.bin")):
+                return load_tokenizer("gpt2")
+            raise ShardError(f"{spec}: a folder without {TOKENIZER_FILE}; give gpt2, byte, a Hugging "
+                             f"Face tokenizer.json or a folder holding one (a checkpoint's, or shards')")
+    if not os.path.isfile(path):
+        if not (os.sep in spec or spec.endswith(".json")):  # a name a record or checkpoint gave (recall)
+            raise NoText(f"tokenizer {spec!r}: not gpt2 or byte, so no text (the recall probe's ids have "
+                         f"none); give gpt2, byte, a tokenizer.json or a folder holding one")
+        raise ShardError(f"tokenizer {spec!r}: no such file or folder; give gpt2, byte, a tokenizer.json "
+                         f"or a folder holding one")
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        parsed = json.loads(text)
+    except ValueError as e:
+        raise ShardError(f"{path}: not JSON ({e}); a tokenizer file is the tokenizer.json of a Hugging "
+                         f"Face checkpoint") from None
+    if isinstance(parsed, dict) and "model" in parsed:
+        return _tokenizer_file(text, _file_label(path), path)
+    if not (isinstance(parsed, dict) and "name" in parsed):
+        raise ShardError(f"{path}: neither a Hugging Face tokenizer file (no 'model') nor data.py's "
+                         f"record of a shard folder (no 'name')")
+    folder = os.path.dirname(path)  # a shard folder's record
+    name, n_ids = tokenizer_of(folder)
+    if parsed.get("file"):
+        copy = os.path.join(folder, parsed["file"])
+        if not os.path.isfile(copy):
+            raise ShardError(f"{path}: its tokenizer file {copy} is missing; copy the shard folder whole, "
+                             f"or re-create it with `python data.py --tokenizer=PATH ...`")
+        tok = _tokenizer_file(Path(copy).read_text(encoding="utf-8"), name, copy)
+        if tok.fingerprint != parsed.get("sha256"):
+            raise ShardError(f"{copy} is not the tokenizer that made the shards in {folder} (its "
+                             f"fingerprint differs from the record's); re-create the folder")
+        return tok
+    if name in TOKENIZERS:
+        return load_tokenizer(name)
+    raise NoText(f"{folder} holds {name} token ids, which have no text to encode or decode")
+
+
+def tokenizer_spec(data_dir):
+    """What a checkpoint records of data_dir's tokenizer: load_tokenizer(spec) gives it back (its
+    name; for a tokenizer file, its name and JSON), or the name of ids without text."""
+    if not os.path.exists(os.path.join(data_dir, TOKENIZER_FILE)):
+        return "gpt2"  # as tokenizer_of says
+    try:
+        return load_tokenizer(data_dir).spec
+    except NoText:
+        return tokenizer_of(data_dir)[0]
+
+
+def record_tokenizer(out_dir, tok):
+    """Record in out_dir the tokenizer `tok` that made its shards: write_tokenizer's record, and
+    for a tokenizer file a copy of it (TOKENIZER_COPY) with its fingerprint and separator."""
+    if tok.kind != "file":
+        return write_tokenizer(out_dir, tok.name, tok.n_ids)
+    copy = os.path.join(out_dir, TOKENIZER_COPY)
+    with open(f"{copy}.tmp", "w", encoding="utf-8") as f:
+        f.write(tok.json_text)
+    os.replace(f"{copy}.tmp", copy)
+    with open(os.path.join(out_dir, TOKENIZER_FILE), "w") as f:
+        json.dump({"name": tok.name, "vocab_size": tok.n_ids, "file": TOKENIZER_COPY,
+                   "sha256": tok.fingerprint, "eot": tok.eot}, f)
+        f.write("\n")
+
+
+def check_tokenizer(data_dir, tok):
+    """A clear error when data_dir's shards were not made with the tokenizer `tok` (a
+    model's): the same id would stand for other text. Reads the folder's record alone."""
+    name = tokenizer_of(data_dir)[0]
+    path = os.path.join(data_dir, TOKENIZER_FILE)
+    record = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    made = record.get("sha256") or (name if name in TOKENIZERS else None)
+    if made != tok.fingerprint:
+        how = (tok.source or "PATH/tokenizer.json") if tok.kind == "file" else tok.name
+        raise ShardError(f"{data_dir} holds tokens of {name}, but the model's tokenizer is {tok.name}; "
+                         f"make shards with the model's: `python data.py --tokenizer={how} "
+                         f"--source=... --out_dir=...`")
+
+
 # ----------------------------------------------------------------------------- shards
 
 def write_shard(path, tokens):
-    """Write uint16 `tokens` (N,) with the llm.c header. Atomic (tmp file + rename), so an
-    interrupted run never leaves a half-written shard under the final name."""
+    """Write uint16 `tokens` (N,) with the llm.c header (uint32 tokens, for vocabularies over
+    65,536 ids, with llm.c's Llama-3 header). Atomic (tmp file + rename), so an interrupted
+    run never leaves a half-written shard under the final name."""
     tokens = np.asarray(tokens)
-    assert tokens.dtype == np.uint16, tokens.dtype
+    assert tokens.dtype in (np.uint16, np.uint32), tokens.dtype
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (MAGIC, VERSION, len(tokens))
+    header[:3] = (*((MAGIC, VERSION) if tokens.dtype == np.uint16 else (MAGIC32, VERSION32)), len(tokens))
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
@@ -163,7 +405,8 @@ def write_shard(path, tokens):
 
 
 def load_shard(path):
-    """Memory-map one shard after checking its header; returns a read-only uint16 (N,) array."""
+    """Memory-map one shard after checking its header; returns a read-only uint16 (N,) array
+    (uint32 for a shard with llm.c's Llama-3 header)."""
     path = str(path)
     fix = "delete it and re-create the folder with `python data.py ...` (or re-download it)"
     size = os.path.getsize(path)
@@ -171,18 +414,20 @@ def load_shard(path):
         raise ShardError(f"{path}: truncated shard: {size} bytes is shorter than the "
                          f"{HEADER_BYTES}-byte header; {fix}")
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-    if header[0] != MAGIC:
-        raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}): not an "
-                         f"llm.c-style GPT-2 token shard, or corrupted; {fix}")
-    if header[1] != VERSION:
-        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}); {fix}")
+    if header[0] not in (MAGIC, MAGIC32):
+        raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}, or {MAGIC32} for "
+                         f"uint32 tokens): not an llm.c-style token shard, or corrupted; {fix}")
+    dtype = SHARD_DTYPES.get((int(header[0]), int(header[1])))
+    if dtype is None:
+        expected_version = VERSION if header[0] == MAGIC else VERSION32
+        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {expected_version}); {fix}")
     n = int(header[2])
-    expected = HEADER_BYTES + 2 * n
+    expected = HEADER_BYTES + np.dtype(dtype).itemsize * n
     if size != expected:
         what = "truncated shard" if size < expected else "shard longer than its header says"
         raise ShardError(f"{path}: {what}: header says {n} tokens ({expected} bytes) but the "
                          f"file has {size} bytes; {fix}")
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
 def find_shards(data_dir, split):
@@ -419,14 +664,19 @@ def write_recall_shards(out_dir, max_tokens=None, val_tokens=None, seq_len=256, 
 # ----------------------------------------------------------------------------- tokenizing
 
 _enc = None
+_files = {}  # path -> TextTokenizer, loaded once per worker process
 
 
 def _encode(text, tokenizer="gpt2"):
-    """One document -> uint16 tokens, the tokenizer's document separator first. Runs in the
-    worker processes."""
+    """One document -> uint16 tokens (uint32 for a tokenizer file of more ids), the
+    tokenizer's document separator first. tokenizer: gpt2, byte or a tokenizer file's path.
+    Runs in the worker processes."""
     global _enc
     if tokenizer == "byte":
         return np.concatenate([np.array([BYTE_EOT], dtype=np.uint16), encode_bytes(text)])
+    if tokenizer != "gpt2":
+        tok = _files.get(tokenizer) or _files.setdefault(tokenizer, load_tokenizer(tokenizer))
+        return np.array([tok.eot] + tok.encode(text), dtype=tok.dtype)
     if _enc is None:
         import tiktoken
         _enc = tiktoken.get_encoding("gpt2")
@@ -448,9 +698,9 @@ def _encoded(pool, docs, tokenizer="gpt2", block=4096):
 class ShardWriter:
     """Packs a token stream into shards of shard_tokens; the first shard is validation."""
 
-    def __init__(self, out_dir, prefix, shard_tokens):
+    def __init__(self, out_dir, prefix, shard_tokens, dtype=np.uint16):
         self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
-        self.index, self.buf, self.fill, self.written = 0, np.empty(shard_tokens, np.uint16), 0, 0
+        self.index, self.buf, self.fill, self.written = 0, np.empty(shard_tokens, dtype), 0, 0
 
     def add(self, tokens):
         """Train tokens: documents may continue into the next shard (the loader reads one
@@ -473,8 +723,9 @@ class ShardWriter:
 
 def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_tokens=None,
                        val_docs=None, workers=None, tokenizer="gpt2"):
-    """Tokenize documents in parallel into out_dir with `tokenizer` (a TOKENIZERS name),
-    recorded in out_dir/tokenizer.json. The val shard takes val_tokens tokens of
+    """Tokenize documents in parallel into out_dir with `tokenizer` (a TOKENIZERS name, or a
+    tokenizer file or a folder holding one: load_tokenizer), recorded in out_dir/tokenizer.json
+    (record_tokenizer). The val shard takes val_tokens tokens of
     whole documents from val_docs if given, else from the start of docs; the document that
     crosses the val limit is cut there and its rest dropped, so no text is in both splits.
     max_tokens bounds everything written (val included). Returns the number of tokens."""
@@ -482,7 +733,9 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
     os.makedirs(out_dir, exist_ok=True)
     if max_tokens is not None:
         val_tokens = min(val_tokens, max_tokens)
-    writer = ShardWriter(out_dir, prefix, max(shard_tokens, val_tokens))
+    tok = load_tokenizer(tokenizer)
+    tokenizer = tok.source if tok.kind == "file" else tok.name  # what the workers load
+    writer = ShardWriter(out_dir, prefix, max(shard_tokens, val_tokens), tok.dtype)
     budget = max_tokens if max_tokens is not None else float("inf")
     bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing into {out_dir}")
     with Pool(workers or os.cpu_count()) as pool:
@@ -499,7 +752,7 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
             raise ShardError("no documents to tokenize; check --source (and --val_source)")
         val_written = writer.fill
         writer.flush("val")
-        writer.buf = np.empty(shard_tokens, np.uint16)
+        writer.buf = np.empty(shard_tokens, tok.dtype)
         writer.shard_tokens, budget = shard_tokens, budget - val_written
         for tokens in stream:
             tokens = tokens[: int(min(len(tokens), budget))]
@@ -514,9 +767,9 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
         raise ShardError(
             f"all {val_written} tokens went to the val shard and none are left for training; "
             f"pass a smaller --val_tokens (or --val_source=FILE for a separate val split)")
-    write_tokenizer(out_dir, tokenizer, TOKENIZERS[tokenizer][0])
+    record_tokenizer(out_dir, tok)
     print(f"wrote {writer.index} shards to {out_dir}: {val_written:,} val tokens, "
-          f"{writer.written - val_written:,} train tokens ({tokenizer} tokenizer)")
+          f"{writer.written - val_written:,} train tokens ({tok.name} tokenizer)")
     return writer.written
 
 
@@ -525,8 +778,9 @@ def main(argv=None):
     p.add_argument("--source", required=True,
                    help="fineweb | fineweb-gpt2 | recall | a path, folder or glob of .jsonl/.txt/.parquet")
     p.add_argument("--out_dir", required=True, help="folder for the .bin shards")
-    p.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS),
-                   help="gpt2: GPT-2 BPE (the papers'); byte: the 256 UTF-8 byte values (CPU scale)")
+    p.add_argument("--tokenizer", default="gpt2",
+                   help="gpt2: GPT-2 BPE (the papers'); byte: the 256 UTF-8 byte values (CPU scale); "
+                        "PATH: a Hugging Face tokenizer.json, or a checkpoint folder holding one")
     p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens (val included)")
     p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per train shard")
     p.add_argument("--shards", type=int, default=1, help="fineweb-gpt2: train shards to fetch (100M tokens each)")
@@ -551,6 +805,7 @@ def main(argv=None):
             seq_len, n_keys, n_values, seed = (int(v) for v in args.recall.split(","))
             write_recall_shards(args.out_dir, args.max_tokens, args.val_tokens, seq_len, n_keys, n_values, seed)
             return 0
+        tok = load_tokenizer(args.tokenizer)  # a bad --tokenizer fails before any work
         if args.val_tokens is None:
             args.val_tokens = 1_000_000 if args.max_tokens is None else min(10_000_000, max(args.max_tokens // 10, 1))
         if args.source == "fineweb":
@@ -561,7 +816,7 @@ def main(argv=None):
         val_docs = iter_local_documents(args.val_source, args.text_field) if args.val_source else None
         tokenize_to_shards(docs, args.out_dir, args.prefix or prefix, args.shard_tokens,
                            args.val_tokens, args.max_tokens, val_docs, args.workers, args.tokenizer)
-        unit = "byte" if args.tokenizer == "byte" else "token"
+        unit = "byte" if tok.kind == "byte" else "token"
         print(f"unigram baseline (no context): val loss {unigram_loss(args.out_dir):.4f} nats per "
               f"{unit}; a trained model's val loss should end well below it")
     except ShardError as e:

@@ -7,9 +7,11 @@ weights), with the attention variant chosen by `ModelConfig.attn` (see attention
 
 `python model.py` prints the parameter count of every preset.
 """
+import json
 import math
 import os
 import pickle
+import re
 import sys
 import zipfile
 from dataclasses import dataclass, fields, replace
@@ -383,6 +385,274 @@ def load_checkpoint(path, device="cpu", kernel=None):
     except (ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"{path}: the checkpoint does not fit the model ({e})") from None
     return model.to(device).eval(), ckpt
+
+
+# ----------------------------------------------------------------------------- Hugging Face Qwen3
+# A pretrained Qwen3 in (any variant), and a `full` model out, as Hugging Face folders:
+# config.json, model.safetensors (or shards listed in model.safetensors.index.json) and the
+# tokenizer.json that data.load_tokenizer reads. Our parameter names are Hugging Face's without
+# its "model." prefix (lm_head has none in either), so every pretrained tensor has one place; a
+# variant's own parameters (its gates, indexers, compressors) are not in the checkpoint and keep
+# the initialisation its init_gates documents.
+
+HF_ARCHITECTURE = "Qwen3ForCausalLM"
+NEW = "new, initialised by the variant"
+# ModelConfig field <- Qwen3 config.json key; rope_theta is read apart (two spellings).
+HF_SIZES = dict(vocab_size="vocab_size", n_layer="num_hidden_layers", n_head="num_attention_heads",
+                n_kv_head="num_key_value_heads", head_dim="head_dim", d_model="hidden_size",
+                mlp_hidden="intermediate_size", norm_eps="rms_norm_eps", tie_embeddings="tie_word_embeddings")
+HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def hf_folder(name_or_path, weights=True):
+    """A Hugging Face checkpoint folder, or a Hub id ('Qwen/Qwen3-0.6B') downloaded once with
+    huggingface_hub into its cache (later calls, offline too, read the cache) -> the local
+    folder. weights=False fetches the JSON files alone (a plan needs no weights)."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path) or not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", path):
+        what = "not a folder" if os.path.exists(path) else "no such folder"
+        raise CheckpointError(f"{name_or_path}: {what}; give a Hugging Face Qwen3 folder (config.json, "
+                              f"{HF_WEIGHTS}, tokenizer.json) or a Hub id like Qwen/Qwen3-0.6B")
+    import huggingface_hub  # lazy: only Hub ids need it
+
+    patterns = ["config.json", "tokenizer.json"] + ([HF_INDEX, "*.safetensors"] if weights else [])
+    try:
+        return huggingface_hub.snapshot_download(path, allow_patterns=patterns)
+    except Exception as e:  # offline, unknown repository, gated, ...: the Hub's own words, first line
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: no such folder here, and the Hugging Face Hub cannot give it "
+                              f"({type(e).__name__}: {reason}); check the name, or where there is no "
+                              f"network, download it on a machine that has one (`hf download {path}`), "
+                              f"copy the folder here and pass its path") from None
+
+
+def read_hf_config(folder):
+    """config.json of a Qwen3ForCausalLM folder -> dict; a clear error for anything model.py
+    does not compute exactly (another architecture, biases, sliding windows, scaled RoPE)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder}: no config.json; give a Hugging Face checkpoint folder")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not JSON ({e})") from None
+    archs, model_type = config.get("architectures") or [], config.get("model_type")
+    if model_type != "qwen3" or (archs and HF_ARCHITECTURE not in archs):
+        raise CheckpointError(f"{path}: {', '.join(archs) or 'no architectures'} (model_type {model_type!r}) "
+                              f"is not supported; model.py loads {HF_ARCHITECTURE} (model_type qwen3)")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in config:
+            raise CheckpointError(f"{path}: no {key}; a Qwen3 config.json states it")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {config['hidden_act']!r}: model.py's MLP is SwiGLU (silu)")
+    if config.get("attention_bias"):
+        raise CheckpointError(f"{path}: attention_bias is true: model.py's q, k, v, o projections have no bias")
+    n_layer = config["num_hidden_layers"]
+    windowed = config.get("use_sliding_window") and config.get("sliding_window") is not None
+    layer_types = config.get("layer_types") or [  # how transformers' Qwen3Config derives them
+        "sliding_attention" if windowed and i >= config.get("max_window_layers", n_layer) else "full_attention"
+        for i in range(n_layer)]
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        raise CheckpointError(f"{path}: sliding-window attention (sliding_window {config.get('sliding_window')}) "
+                              f"in layer(s) {', '.join(map(str, sliding))}: model.py's Qwen3 attends to every "
+                              f"earlier token in every layer")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"{path}: scaled RoPE ({json.dumps(rope)}): model.py computes plain RoPE only")
+    return config
+
+
+def hf_model_config(path, **settings):
+    """The ModelConfig of a Hugging Face Qwen3 (folder or Hub id): the sizes from its
+    config.json, the vocabulary exactly as there (no padding), attn and the variant's settings
+    (ModelConfig's other fields) from `settings`."""
+    folder = hf_folder(path, weights=False)
+    config = read_hf_config(folder)
+    sizes = {field: config[key] for field, key in HF_SIZES.items() if key in config}
+    sizes.setdefault("n_kv_head", config["num_attention_heads"])
+    sizes.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    sizes.setdefault("tie_embeddings", False)  # Qwen3Config's default
+    rope = config.get("rope_parameters") or {}
+    sizes["rope_theta"] = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    for key in settings:
+        if key in sizes:
+            raise ValueError(f"{key} comes from {folder}/config.json ({sizes[key]}); drop it")
+        if key not in MODEL_FIELDS:
+            raise ValueError(f"unknown model setting {key!r}; valid: {', '.join(sorted(MODEL_FIELDS - set(sizes)))}")
+    try:
+        return ModelConfig(**sizes, **settings)
+    except ValueError as e:  # e.g. a variant whose sizes do not fit this checkpoint's heads
+        attn = settings.get("attn", "full")
+        raise CheckpointError(f"{folder}: attn={attn} cannot use this checkpoint: {e}") from None
+
+
+def hf_shapes(cfg):
+    """{Hugging Face tensor name: shape} of every weight of a Qwen3ForCausalLM of cfg's sizes."""
+    C, D, F = cfg.d_model, cfg.head_dim, cfg.mlp_hidden
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, C), "model.norm.weight": (C,)}
+    for i in range(cfg.n_layer):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+            p + "self_attn.q_proj.weight": (cfg.n_head * D, C), p + "self_attn.k_proj.weight": (cfg.n_kv_head * D, C),
+            p + "self_attn.v_proj.weight": (cfg.n_kv_head * D, C), p + "self_attn.o_proj.weight": (C, cfg.n_head * D),
+            p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+            p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C), p + "mlp.down_proj.weight": (C, F)})
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, C)
+    return shapes
+
+
+def our_name(hf_name):
+    return hf_name.removeprefix("model.")
+
+
+def hf_files(folder):
+    """{tensor name: safetensors file} of a folder's weights (one file, or the shards its index
+    lists)."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, HF_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        absent = sorted({f for f in files.values() if not os.path.isfile(f)})
+        if absent:
+            raise CheckpointError(f"{index} lists {os.path.basename(absent[0])}, which is not in {folder}; "
+                                  f"download the checkpoint again")
+        return files
+    single = os.path.join(folder, HF_WEIGHTS)
+    if not os.path.isfile(single):
+        raise CheckpointError(f"{folder}: no {HF_WEIGHTS} or {HF_INDEX} (weights in other formats, e.g. "
+                              f"pytorch_model.bin, are not read: save them with safetensors)")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def check_norm_eps(model):
+    """Every RMSNorm must compute with cfg.norm_eps, Hugging Face's one rms_norm_eps."""
+    for name, m in model.named_modules():
+        if isinstance(m, RMSNorm) and m.eps != model.cfg.norm_eps:
+            raise CheckpointError(f"{name} computes with eps={m.eps} but rms_norm_eps is {model.cfg.norm_eps}: "
+                                  f"this model.py gives that norm a fixed eps, so it cannot match the checkpoint")
+
+
+def load_hf(path, device="cpu", **settings):
+    """A Hugging Face Qwen3 (folder or Hub id) -> (Model in eval mode on `device`, summary).
+
+    The model's sizes come from config.json (hf_model_config), attn and the variant's settings
+    from `settings`. Strict: every tensor of the checkpoint is used, and a missing, unexpected
+    or misshapen one is named. With attn='full' the model computes Hugging Face's logits; any
+    other variant keeps every pretrained projection and norm and adds its own parameters,
+    initialised by its init_gates. summary: {'folder', 'tokenizer' (its tokenizer.json or
+    None), 'parameters': {our name: the Hugging Face tensor it holds, or NEW}}."""
+    from safetensors import safe_open
+
+    folder = hf_folder(path)
+    cfg = hf_model_config(folder, **settings)
+    shapes, files = hf_shapes(cfg), hf_files(folder)
+    where = os.path.join(folder, HF_INDEX if os.path.isfile(os.path.join(folder, HF_INDEX)) else HF_WEIGHTS)
+    missing = [name for name in shapes if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing {missing[0]}{more}, which a {HF_ARCHITECTURE} of "
+                              f"config.json's sizes has")
+    extra = [n for n in files if n not in shapes and n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")]
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]}: not part of a {HF_ARCHITECTURE} of "
+                              f"config.json's sizes, and model.py would ignore it")
+    model = Model(cfg)
+    check_norm_eps(model)
+    ours = model.state_dict()  # tensors sharing the parameters' storage
+    by_file = {}
+    for name in files:
+        if name in shapes or name == "lm_head.weight":  # lm_head of a tied model: checked below
+            by_file.setdefault(files[name], []).append(name)
+    tied_head = None
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    if name not in f.keys():
+                        raise CheckpointError(f"{file}: missing {name}, which {where} says it holds")
+                    shape = tuple(f.get_slice(name).get_shape())
+                    expected = shapes.get(name, (cfg.vocab_size, cfg.d_model))
+                    if shape != expected:
+                        raise CheckpointError(f"{file}: {name} has shape {shape} but config.json's sizes "
+                                              f"make it {expected}: the weights are not this config's")
+                    if name not in shapes:
+                        tied_head = f.get_tensor(name)
+                        continue
+                    if our_name(name) not in ours:
+                        raise CheckpointError(f"attn={cfg.attn}: the variant has no parameter {our_name(name)} "
+                                              f"to hold {name}")
+                    ours[our_name(name)].copy_(f.get_tensor(name))
+    embed = model.embed_tokens.weight
+    if tied_head is not None and not torch.equal(tied_head.to(embed.dtype), embed):
+        raise CheckpointError(f"{where}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
+                              f"ties them (tie_word_embeddings); the checkpoint contradicts its config")
+    params = {name: NEW for name, _ in model.named_parameters()}
+    params.update({our_name(name): name for name in shapes})
+    tokenizer = os.path.join(folder, "tokenizer.json")
+    summary = dict(folder=folder, tokenizer=tokenizer if os.path.isfile(tokenizer) else None, parameters=params)
+    return model.to(device).eval(), summary
+
+
+def describe_hf_load(summary):
+    """Lines for a run's plan: how many parameters came from the checkpoint, and which are
+    new (layer numbers folded into '*')."""
+    params = summary["parameters"]
+    new = sorted({re.sub(r"\.\d+\.", ".*.", name) for name, source in params.items() if source == NEW})
+    lines = [f"from {summary['folder']}: {len(params) - sum(s == NEW for s in params.values())} pretrained tensors"]
+    lines += [f"  {name}: {NEW}" for name in new]
+    return lines
+
+
+def save_hf(model, out_dir, tokenizer_json=None, eos_token_id=None, dtype=None, max_position_embeddings=32768):
+    """Write a `full` model as a Hugging Face Qwen3 folder that transformers' Qwen3ForCausalLM
+    loads with the same logits: config.json, model.safetensors and, given its JSON text
+    (data.TextTokenizer.json_text), tokenizer.json. dtype: of the saved weights (default:
+    the model's). max_position_embeddings: the context length config.json states (RoPE has
+    no limit; transformers' generate stops there)."""
+    from safetensors.torch import save_file
+
+    cfg = model.cfg
+    if cfg.attn != "full":
+        raise CheckpointError(f"attn={cfg.attn}: only a 'full' model is a {HF_ARCHITECTURE}; a sparse "
+                              f"variant attends to other keys (and may have parameters Qwen3 lacks), so "
+                              f"keep it as a train.py checkpoint (save_checkpoint)")
+    check_norm_eps(model)
+    state = {("" if name.startswith("lm_head") else "model.") + name: t.detach().to(dtype or t.dtype).cpu().contiguous()
+             for name, t in model.state_dict().items() if not (cfg.tie_embeddings and name == "lm_head.weight")}
+    if set(state) != set(hf_shapes(cfg)):  # a model.py parameter Qwen3 lacks, or the reverse
+        raise CheckpointError(f"the model's tensors are not a {HF_ARCHITECTURE}'s: "
+                              f"{sorted(set(state) ^ set(hf_shapes(cfg)))[:3]}")
+    config = {
+        "architectures": [HF_ARCHITECTURE], "model_type": "qwen3",
+        **{key: getattr(cfg, field) for field, key in HF_SIZES.items()},
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,  # transformers 4's spelling
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5's
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
+        "max_position_embeddings": max_position_embeddings,
+        "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
+    }
+    if eos_token_id is not None:
+        config.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(state, os.path.join(out_dir, HF_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    if tokenizer_json is not None:
+        with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(tokenizer_json)
+    return out_dir
 
 
 if __name__ == "__main__":
