@@ -55,7 +55,6 @@ instead, with evaluate.py on each run's checkpoint, into RUN/hellaswag.json.
 import argparse
 import ctypes
 import json
-import math
 import os
 import shutil
 import signal
@@ -75,7 +74,6 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import torch  # noqa: E402
 
 import analyze  # noqa: E402
-import data  # noqa: E402
 import figures  # noqa: E402
 import flops  # noqa: E402
 import sweep  # noqa: E402
@@ -215,9 +213,10 @@ def finished(run_dir, max_steps):
     return end is not None and end.get("step") == max_steps
 
 
-def run_state(run_dir, max_steps):
+def run_state(run_dir, max_steps, seconds=None):
+    """done (in how long), resumes (from which step) or to run."""
     if finished(run_dir, max_steps):
-        return "done"
+        return "done" + ("" if seconds is None else f" in {seconds / 3600:.2f} h")
     step, _ = last_records(run_dir)
     if Path(run_dir, "ckpt.pt").exists() and step:
         return f"resumes (step {step['step']:,} logged)"
@@ -378,23 +377,26 @@ def print_plan(args, plan, state, sizes, gpus, out):
              "parameters it shares with it (experiments/paired.py)",
              f"  estimates   FLOP model: flops.py's FLOPs per token at {args.assumed_mfu:.0%} MFU (--assumed_mfu) of "
              f"{gpus} x {name}, {'no known peak' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16 each'} "
-             f"({chosen}); measured: each configuration's timing job ({args.timing_steps} steps)",
+             f"({chosen}), as if every variant ran at full's MFU (a lower bound where its kernels are slower than "
+             f"SDPA, as asga's are); measured: each configuration's timing job ({args.timing_steps} steps)",
              f"  {'run':22s} {'MFLOP/token':>11s} {'FLOP-model h':>12s} {'measured h':>10s}  state"]
-    total_flop = total_measured = 0.0
-    missing_timing = False
-    for run, (rtc, mc, _, per_token) in sizes.items():
-        state_text = run_state(out / run, rtc.max_steps)
+    left = {"flop": 0.0, "measured": 0.0, "untimed": 0}  # over the runs still to do
+    for run, (rtc, _, _, per_token) in sizes.items():
+        state_text = run_state(out / run, rtc.max_steps, (state or {}).get("runs", {}).get(run))
         est = flop_hours(rtc, per_token, gpus, peak, args.assumed_mfu) if peak else None
         t = timings.get(run.rsplit("_s", 1)[0])
         meas = measured_hours(rtc, t) if t and (t["world"], t["flags"]) == (gpus, unseeded(plan["runs"][run])) else None
-        if state_text != "done":
-            total_flop += est or 0.0
-            total_measured += meas or 0.0
-            missing_timing |= meas is None
+        if not state_text.startswith("done"):
+            left["flop"] += est or 0.0
+            left["measured"] += meas or 0.0
+            left["untimed"] += meas is None
         lines.append(f"  {run:22s} {per_token / 1e6:11.1f} {'–' if est is None else f'{est:.2f}':>12s} "
                      f"{'–' if meas is None else f'{meas:.2f}':>10s}  {state_text}")
-    lines.append(f"  {'total left':22s} {'':11s} {total_flop:12.1f} "
-                 f"{('–' if missing_timing and not total_measured else f'{total_measured:.1f}') + (' (partial)' if missing_timing and total_measured else ''):>10s}")
+    runs_left = sum(not run_state(out / run, sizes[run][0].max_steps).startswith("done") for run in sizes)
+    measured = "–" if left["untimed"] == runs_left else f"{left['measured']:.1f}"
+    lines.append(f"  {'total left':22s} {'':11s} {left['flop']:12.1f} {measured:>10s}"
+                 + (f"  ({left['untimed']} run(s) without a timing job: not in the measured total)"
+                    if left["untimed"] and measured != "–" else ""))
     print("\n".join(lines), flush=True)
 
 
@@ -414,7 +416,7 @@ def missing(args, sizes):
                      f"{', a CPU-only build' if torch.version.cuda is None else ''}); run the study on a GPU node, "
                      f"or try it here with --tiny")
     tokens = tc.max_steps * tc.total_batch_tokens
-    have, problem = train.train_tokens_found(tc.data_dir)
+    have, _ = train.train_tokens_found(tc.data_dir)
     if have is None or have < tokens:
         what = f"no shards at {tc.data_dir}" if have is None else f"{have:,} training tokens at {tc.data_dir}"
         found.append(f"data: {what}; each run reads {tokens:,} tokens (the same ones at one seed): "
@@ -425,7 +427,7 @@ def missing(args, sizes):
     elif on_gpu and tc.hellaswag != "false" and not (ROOT / "data" / "hellaswag" / "hellaswag_val.jsonl").exists():
         found.append("HellaSwag: data/hellaswag/hellaswag_val.jsonl is not there; the first run's final evaluation "
                      "downloads it (internet), or copy it there, or pass --hellaswag_file=PATH")
-    if (data.tokenizer_of(tc.data_dir)[0] if os.path.isdir(tc.data_dir) else "byte" if mc.vocab_size <= 256 else "gpt2") == "gpt2":
+    if mc.vocab_size > 256:  # GPT-2 tokens (train.py takes the vocabulary from the shards' tokenizer)
         try:
             import tiktoken
 
@@ -440,9 +442,13 @@ def missing(args, sizes):
 
 def timing_argv(argv, out, config, steps):
     """The run's own flags, stopped after `steps` steps, without the final evaluations, in a
-    scratch folder: what a step of that run costs, after its start-up, compilation and preflight."""
-    return ["experiments/paired.py"] + argv + [f"--out_dir={sweep.rel(out / 'timing' / config)}", f"--stop_step={steps}",
-                                               "--eval_seqs=0", "--hellaswag=false", "--resume=false"]
+    scratch folder: what a step of that run costs, after its start-up, compilation and preflight.
+    The indexer's steps are timed sparse, as nearly all of its run is (its dense warm-up is
+    indexer_warmup steps at the start), unless the configuration sets indexer_warmup itself."""
+    sparse = ["--indexer_warmup=0"] if "--attn=indexer" in argv and "indexer_warmup" not in flag_dict(argv) else []
+    return ["experiments/paired.py"] + argv + sparse + [f"--out_dir={sweep.rel(out / 'timing' / config)}",
+                                                        f"--stop_step={steps}", "--eval_seqs=0", "--hellaswag=false",
+                                                        "--resume=false"]
 
 
 def read_timing(folder, wall, world):
