@@ -35,14 +35,15 @@ shows that every configuration compiles and passes train.py's preflight before t
 Processes. Each run is a child process (`python experiments/paired.py ...`) of every rank,
 not train.main() called in this process, because one process cannot hold several runs
 apart: CUDA's peak-memory counter (the memory column) and torch.compile's caches carry over
-from one run to the next, a run's fatal error (train.py exits) would end the study, and a
-process group cannot be set up again on torchrun's store without reading the previous
-group's keys (train.init_process_group's docstring). Under torchrun every rank starts the
-same child with its own RANK / LOCAL_RANK / WORLD_SIZE, so the children form a process group
-exactly as train.py does under torchrun; rank 0 gives each child group a fresh address
-(MASTER_ADDR:free port) through torchrun's store, decides which runs remain, prints, and
-writes every file. SIGTERM / Ctrl-C reach the child, which writes a checkpoint after its
-current step and exits 143 / 130; the study then exits with the same code.
+from one run to the next, and a run's fatal error (train.py exits) would end the study.
+Under torchrun every rank starts the same child with its own RANK / LOCAL_RANK / WORLD_SIZE,
+so the children form a process group exactly as train.py does under torchrun. Each child
+group gets a store of its own (rank 0's host, a free port, sent to the ranks through
+torchrun's store): on torchrun's store every run's group would write the same keys, and a
+rank could read the previous group's address, the race train.init_process_group's docstring
+describes for restarts. Rank 0 alone decides which runs remain, prints, and writes files.
+SIGTERM / Ctrl-C reach the child, which writes a checkpoint after its current step and exits
+143 / 130; the study then exits with the same code.
 
 Results: OUT/RESULTS_GPU.md (every configuration's validation loss, paired Δ from `full`,
 tokens/s, MFU and peak memory from log.jsonl; the papers' numbers beside ours; loss by
@@ -324,12 +325,14 @@ def stop_all(ranks, code):
 
 # ----------------------------------------------------------------------------- estimates
 
-def gpu_peak(args):
-    """(name, bf16 peak FLOP/s, how it was chosen) of the GPUs the estimate is for."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        return name, flops.peak_flops(name), "this machine's"
-    return args.gpu, flops.peak_flops(args.gpu), "assumed: no GPU here; --gpu"
+def gpu_peak(args, timings):
+    """(name, bf16 peak FLOP/s, where the name comes from) of the GPUs the estimate is for: the
+    one the timing jobs ran on, else --gpu. (Asking CUDA here would start a CUDA context in this
+    process, on the GPU its rank-0 child trains on.)"""
+    for t in timings.values():
+        if flops.peak_flops(t.get("device_name", "")):
+            return t["device_name"], flops.peak_flops(t["device_name"]), "the timing jobs' GPU"
+    return args.gpu, flops.peak_flops(args.gpu), "--gpu"
 
 
 def run_sizes(plan):
@@ -363,8 +366,8 @@ def measured_hours(tc, timing):
 
 def print_plan(args, plan, state, sizes, gpus, out):
     """Every run: FLOPs per token, hours from the FLOP model and from the timing job, state."""
-    name, peak, chosen = gpu_peak(args)
     timings = (state or {}).get("timing", {})
+    name, peak, chosen = gpu_peak(args, timings)
     first = next(iter(sizes.values()))
     tc = first[0]
     tokens = tc.max_steps * tc.total_batch_tokens
@@ -462,7 +465,8 @@ def read_timing(folder, wall, world):
     mfu = [r["mfu"] for r in timed if "mfu" in r]
     return {"s_per_step": total / tok_s, "tok_s": tok_s, "steps": len(steps), "world": world,
             "mem_gb": max(r["mem_gb"] for r in steps), "mfu": statistics.median(mfu) if mfu else None,
-            "startup_s": max(0.0, wall - sum(total / r["tok_s"] for r in steps)), "device": run["device"]}
+            "startup_s": max(0.0, wall - sum(total / r["tok_s"] for r in steps)),
+            "device_name": json.loads(Path(folder, "config.json").read_text()).get("device_name", "?")}
 
 
 def time_configs(ranks, args, plan, state, sizes, out):
@@ -728,8 +732,8 @@ def parse(argv):
     p.add_argument("--results_md", default=None, help="the Markdown (default OUT/RESULTS_GPU.md)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs the estimates are for (default: this launch's "
                    "processes, WORLD_SIZE)")
-    p.add_argument("--gpu", default="H100", help="the GPU the estimates assume where none is visible "
-                   "(a name in flops.PEAK_BF16)")
+    p.add_argument("--gpu", default="H100", help="the GPU the FLOP-model estimate assumes until a timing job has "
+                   "run on one (a name in flops.PEAK_BF16)")
     p.add_argument("--assumed_mfu", type=float, default=ASSUMED_MFU, help="the MFU of the FLOP-model estimate")
     args, rest = p.parse_known_args(argv)
     known, given = train_flag_names(), {}
