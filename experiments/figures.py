@@ -27,14 +27,14 @@ def _plt():
     return plt
 
 
-def loss_curves(stats, configs, path):
+def loss_curves(stats, configs, path, families=FAMILIES, unit="nats / byte"):
     """One column per family (full/local, dsa, asga, caa/combiner). Top: validation loss, seed
     mean and min..max band. Bottom: the paired difference from `full` at the same seed and
     step, mean and band (what the tables report, at every evaluation)."""
     plt = _plt()
     full = stats.get("full")
-    fig, axes = plt.subplots(2, len(FAMILIES), figsize=(4.2 * len(FAMILIES), 6.4), sharey="row", sharex=True)
-    for col, (title, prefixes) in enumerate(FAMILIES):
+    fig, axes = plt.subplots(2, len(families), figsize=(4.2 * len(families), 6.4), sharey="row", sharex=True)
+    for col, (title, prefixes) in enumerate(families):
         top, bottom = axes[0, col], axes[1, col]
         for name, *_ in configs:
             s = stats.get(name)
@@ -63,7 +63,7 @@ def loss_curves(stats, configs, path):
         top.set_title(title)
         bottom.set_xlabel("step")
         top.legend(fontsize=7)
-    axes[0, 0].set_ylabel("validation loss (nats / byte)")
+    axes[0, 0].set_ylabel(f"validation loss ({unit})")
     axes[1, 0].set_ylabel("paired Δ vs full")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -128,7 +128,7 @@ def _longest(ev):
     return ((done[-1]["seq_len"], done[-1].get("n_seq")), done[-1]["buckets"]) if done else None
 
 
-def positions_figure(stats, configs, trained_len, path):
+def positions_figure(stats, configs, trained_len, path, unit="bytes"):
     """Left: `full`'s and `local`'s loss by position (seed mean, band = min..max over seeds) on
     the final evaluation's longest sequences; right: each variant's (configuration names
     without '_': no ablations) paired difference from `full`, seed mean. Positions are causal,
@@ -166,10 +166,10 @@ def positions_figure(stats, configs, trained_len, path):
     for ax in (left, right):
         ax.set_xscale("log")
         ax.axvline(trained_len, color="gray", ls="--", lw=1)
-        ax.set_xlabel(f"position (bytes of context; buckets 1, 2-3, 4-7, ...; dashed: trained length {trained_len})")
+        ax.set_xlabel(f"position ({unit} of context; buckets 1, 2-3, 4-7, ...; dashed: trained length {trained_len})")
         ax.legend(fontsize=7)
     right.axhline(0, color="black", lw=1)
-    left.set_ylabel("val loss (nats / byte)")
+    left.set_ylabel(f"val loss (nats / {unit.rstrip('s')})")
     right.set_ylabel("paired Δ vs full (seed mean)")
     left.set_title("loss by position")
     right.set_title("difference from full by position")
