@@ -441,7 +441,7 @@ DEFAULTS = dict(ckpt="", data_dir="", out="", n_seq=64, batch_size=4, hellaswag=
 def main(argv=None):
     """The command line (module docstring); flags: DEFAULTS, as --key=value."""
     from model import CheckpointError, load_checkpoint
-    from train import cuda_missing, fail, init_process_group, parse_flags, resolve_device
+    from config import cuda_missing, fail, init_process_group, parse_flags, resolve_device
 
     given, _ = parse_flags(sys.argv[1:] if argv is None else argv, {"keys": DEFAULTS}, "evaluate.py", doc=__doc__)
     args = {**DEFAULTS, **given}
