@@ -49,6 +49,7 @@ from model import CheckpointError, Model, read_checkpoint, save_checkpoint
 
 
 # ----------------------------------------------------------------------------- the loop
+# main() is the run from top to bottom; the functions after it are its parts, in the order it uses them.
 
 def main(argv=None):
     # -- set-up: configuration, processes, device, the batch for this world size
