@@ -830,8 +830,8 @@ def selection_markdown(name, stats):
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv):
-    """Run folders and `--key=value` overrides of DEFAULTS (train.py's parser) -> (runs, args)."""
-    from train import parse_flags
+    """Run folders and `--key=value` overrides of DEFAULTS (config.py's parser) -> (runs, args)."""
+    from config import parse_flags
 
     given, runs = parse_flags(argv, {"keys": DEFAULTS}, "analyze.py", positional=True, doc=__doc__)
     return runs, {**DEFAULTS, **given}

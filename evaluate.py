@@ -700,7 +700,7 @@ def harness_main(args):
 def main(argv=None):
     """The command line (module docstring); flags: DEFAULTS, as --key=value."""
     from model import CheckpointError, load_checkpoint
-    from train import cuda_missing, fail, init_process_group, parse_flags, resolve_device
+    from config import cuda_missing, fail, init_process_group, parse_flags, resolve_device
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["harness"]:

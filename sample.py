@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from model import CheckpointError, load_checkpoint
-from train import cuda_missing, fail, parse_flags
+from config import cuda_missing, fail, parse_flags
 
 EOT = 50256  # GPT-2 <|endoftext|>: an empty prompt starts a new document, as in training
 
@@ -102,7 +102,7 @@ DEFAULTS = dict(ckpt="", prompt="", prompt_file="", max_new_tokens=200, temperat
 
 
 def parse_args(argv):
-    """`--key=value` overrides of DEFAULTS (train.py's parser: typed, unknown keys list the
+    """`--key=value` overrides of DEFAULTS (config.py's parser: typed, unknown keys list the
     valid ones)."""
     given, _ = parse_flags(argv, {"keys": DEFAULTS}, "sample.py", doc=__doc__)
     args = {**DEFAULTS, **given}

@@ -20,7 +20,6 @@ the current step, write a checkpoint of it and exit with 128 + the signal number
 so schedulers see an interrupted run (torchrun then reports its own SignalException); a
 second Ctrl-C on a single process abandons the step at once without a checkpoint.
 """
-import ctypes
 import gc
 import hashlib
 import json
@@ -33,919 +32,39 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict
 
-# ----------------------------------------------------------------------------- this machine
-# Workarounds for the machine rather than the method, one line each on why.
-
-# Set before torch loads OpenMP: idle threads sleep instead of spinning; on a CPU shared with
-# other processes (2-core machines, CI, torchrun ranks) spinning made training 10x slower.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def keep_freed_memory():
-    """CPU with glibc: keep freed blocks in the heap. Each step frees and re-allocates the
-    (B*T, vocab) logits and their gradient (200 MB each at the CPU default); glibc returned
-    them to the OS and faulting them in again cost half of each step (1.5k -> 2.5k tok/s
-    measured, peak RSS 1.3 -> 2.0 GB)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to tune
-        return
-    libc.mallopt(-3, 2**30)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
-
-
-def peak_memory_gb(device):
-    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak RSS."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
-
+# config.py first: it sets this machine's OpenMP policy, which must happen before torch loads
+from config import fail, fit_batch, open_data, parse_args, plan_run, preflight, preflight_on, set_up
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import flops
 from evaluate import evaluate_model  # the end-of-run evaluations (train.py's own evaluate() is the val loss)
-from attention import VARIANTS, attention_path
-from model import PRESETS, CheckpointError, Model, ModelConfig, read_checkpoint, save_checkpoint, set_kernel
+from model import CheckpointError, Model, read_checkpoint, save_checkpoint
 
-# ----------------------------------------------------------------------------- configuration
 
-
-@dataclass
-class TrainConfig:
-    preset: str = "cpu"  # a name in TRAIN_PRESETS (default: chosen by the device, DEVICE_PRESETS)
-    model: str = "tiny"  # size preset in model.PRESETS; single model fields override it
-    data_dir: str = "data/fineweb"
-    out_dir: str = "out/run"
-    seed: int = 1337
-    max_steps: int = 400  # optimizer steps; the lr schedule ends here
-    stop_step: int = 0  # end this job after this step, schedule unchanged (0: at max_steps)
-    seq_len: int = 128
-    batch_size: int = 8  # sequences per micro-step per process
-    total_batch_tokens: int = 1024  # the global batch, whatever the number of processes
-    lr: float = 3e-3
-    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac at max_steps
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global gradient norm (0: off)
-    eval_every: int = 100
-    val_tokens: int = 16384  # the fixed prefix of the val shard used at every evaluation
-    gate_batch: int = 4  # val sequences the gate statistics are collected on
-    target_loss: float = 0.0  # log the first step whose val loss is <= this (0: off)
-    ckpt_every: int = 200
-    resume: str = "false"  # false | true | auto (auto: continue if out_dir has a checkpoint)
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | bfloat16 | float32: the autocast dtype; weights stay float32
-    compile: bool = False  # torch.compile the model (worth it on GPU)
-    dry_run: bool = False  # print the plan and exit (needs neither a GPU nor data)
-    preflight: str = "auto"  # auto (on CUDA) | on | off: check the attention path against the reference first
-    # at the end of the run (evaluate.py): eval.json in out_dir
-    eval_seqs: int = 8  # val sequences per length for loss by position and bits per byte (0: off)
-    hellaswag: str = "auto"  # auto | true | false: HellaSwag (auto: on CUDA, off on CPU)
-    # indexer ([DS32]): the first steps attend densely while the lightning indexer learns
-    indexer_warmup: int = 50  # steps of dense attention (the paper's dense warm-up); 0: sparse from step 1
-    indexer_lr: float = 1e-3  # the indexer's peak lr (the paper's warm-up lr), same schedule shape
-
-
-# Named setups; a preset's values replace the TrainConfig defaults above.
-# What the papers state, and what is this project's choice:
-#  - 002 (dsa adaptive) states batch size 32, sequence length 32768, lr 3e-4, weight decay
-#    0.1, gradient accumulation 16 and 399 steps. We train on 2048-token sequences (32768
-#    does not fit a 134M model's activations in memory here), so its step is 32 x 2048 x 16
-#    = 1M tokens; warm-up and schedule are ours.
-#  - 003 (asga) states batch size 32, lr 6e-4 with cosine decay and 50,000 steps. The
-#    sequence length (1024), warm-up, betas, weight decay and clipping are ours.
-#  - 004 (caa) states batch size 512 (with gradient accumulation), AdamW with lr 3e-4,
-#    beta1 0.9, beta2 0.98. The sequence length (1024), 5000 steps, warm-up, schedule,
-#    weight decay and clipping are ours.
-#  - qwen-134m, the GPU default, is ours: the papers' model at 1024 tokens, a global batch of
-#    2^19 tokens (as nanoGPT's GPT-2 runs), 5000 steps = 2.6B tokens, about 20 tokens per
-#    parameter (the compute-optimal ratio of Hoffmann et al., 2022).
-#  - cpu is ours: the 0.9M-parameter `bytes` model on byte shards, a few minutes on 2 cores.
-# Every preset not stating them uses the defaults above: warm-up then cosine to 0.1 x lr,
-# AdamW betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.
-TRAIN_PRESETS = {
-    # The main CPU command, on byte shards (data.py --tokenizer=byte): 4.1M bytes through the
-    # 0.9M-parameter `bytes` model (its figures: assets/cpu_main_job.txt). The windows are
-    # shorter than the 256-byte sequence, so that `local`, `dsa`, `asga_gate=fixed` and caa's
-    # local branch differ from `full`: the papers' W = 256 of 1024 tokens is a quarter of the
-    # sequence, as 64 of 256 is; caa's width range keeps its paper's [W, 2W]; dsa's adaptive
-    # threshold keeps [DSA-A]'s 512 of 1024 (half the positions attend fully).
-    "cpu": dict(model="bytes", data_dir="data/bytes", seq_len=256, batch_size=16, total_batch_tokens=4096, lr=3e-3,
-                warmup_steps=50, max_steps=1000, eval_every=100, val_tokens=65536, ckpt_every=250,
-                window=64, caa_window_max=128, dsa_threshold=128,
-                # nsa and moba sized for T = 256 (the GPU defaults in model.py are for T = 1024)
-                nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=16, nsa_topk=5, nsa_window=32, moba_block=16),
-    "qwen-134m": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
-                      total_batch_tokens=2**19, lr=6e-4, warmup_steps=200, max_steps=5000,
-                      eval_every=250, val_tokens=2**20, ckpt_every=500, compile=True),
-    "002": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=2048, batch_size=4,
-                total_batch_tokens=32 * 2048 * 16, lr=3e-4, weight_decay=0.1, max_steps=399,
-                warmup_steps=40, eval_every=50, val_tokens=2**20, ckpt_every=100, compile=True),
-    "003": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=4,
-                total_batch_tokens=32 * 1024, lr=6e-4, max_steps=50000, warmup_steps=1000,
-                eval_every=1000, val_tokens=2**20, ckpt_every=2000, compile=True),
-    "004": dict(model="qwen-134m", data_dir="data/fineweb10B", seq_len=1024, batch_size=16,
-                total_batch_tokens=512 * 1024, lr=3e-4, beta2=0.98, max_steps=5000,
-                warmup_steps=250, eval_every=250, val_tokens=2**20, ckpt_every=500, compile=True),
-}
-DEVICE_PRESETS = {"cuda": "qwen-134m", "cpu": "cpu"}  # the preset a run gets without --preset
-TRAIN_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
-MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
-SHARD_TOKENS = 100_000_000  # tokens in one train shard of `data.py --source=fineweb-gpt2`
-
-
-# ----------------------------------------------------------------------------- command line
-# One `--key=value` parser for train.py, sample.py and analyze.py. It lives here, not in
-# model.py, because it is about running scripts rather than the model; sample.py and
-# analyze.py import it from train.py (train.py imports neither, so there is no cycle).
-
-def fail(msg, code=2):
-    """Print `error: msg` and exit. Under torchrun every rank meets the same configuration,
-    data and checkpoint problems at the same point, so only rank 0 prints; the others wait a
-    moment before exiting, so that rank 0's message is out before torchrun stops the group."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(2)
-    sys.exit(code)
-
-
-def convert(key, raw, default, choices=None):
-    """A command-line string -> the default's type. Bools accept True/False/true/false/1/0,
-    ints accept 1e6 and 1_000_000, `choices` lists the valid (lower-case) strings."""
-    kind = type(default)
-    try:
-        if choices:
-            value = {"1": "true", "0": "false"}.get(raw.lower(), raw.lower())
-            if value not in choices:
-                raise ValueError
-            return value
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return raw.lower() in ("true", "1")
-        if kind is int:
-            value = float(raw.replace("_", ""))
-            if not value.is_integer():
-                raise ValueError
-            return int(value)
-        return kind(raw)
-    except ValueError:
-        expected = " | ".join(choices) if choices else kind.__name__ + (" (True/False/1/0)" if kind is bool else "")
-        fail(f"--{key}={raw}: expected {expected}")
-
-
-def parse_flags(argv, groups, program, positional=False, choices=None, doc=""):
-    """`--key=value` strings -> ({key: typed value} for the keys given, [other arguments]).
-
-    groups: {"training keys": {key: default}, ...}; a value takes its default's type. A bare
-    `--key` means True for a bool key (and "true" for a key whose choices include it).
-    Arguments without `--` are returned when `positional`, refused otherwise."""
-    choices = choices or {}
-    defaults = {k: v for group in groups.values() for k, v in group.items()}
-    if "-h" in argv or "--help" in argv:
-        print(doc + "".join(f"\n{name}: {', '.join(keys)}" for name, keys in groups.items()))
-        sys.exit(0)
-    given, rest = {}, []
-    for arg in argv:
-        if not arg.startswith("--"):
-            if not positional:
-                fail(f"{program}: unexpected argument {arg!r}; use --key=value")
-            rest.append(arg)
-            continue
-        key, eq, raw = arg[2:].partition("=")
-        if key not in defaults:
-            fail(f"{program}: unknown config key --{key}" + "".join(
-                f"\n  valid {name}: {', '.join(keys)}" for name, keys in groups.items()))
-        if not eq:
-            if type(defaults[key]) is not bool and "true" not in choices.get(key, ()):
-                fail(f"{program}: --{key} needs a value; use --{key}=VALUE")
-            raw = "true"
-        given[key] = convert(key, raw, defaults[key], choices.get(key))
-    return given, rest
-
-
-def cuda_missing():
-    """Why --device=cuda cannot run on this machine, with the fix; None when it can."""
-    if torch.cuda.is_available():
-        return None
-    if torch.version.cuda is None:
-        return (f"--device=cuda, but CUDA is not available: this torch {torch.__version__} is a "
-                f"CPU-only build; install the CUDA build for your driver (https://pytorch.org, see "
-                f"the README's Install), or pass --device=cpu (or auto)")
-    return (f"--device=cuda, but CUDA is not available: torch {torch.__version__} (CUDA "
-            f"{torch.version.cuda}) sees no GPU; check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or pass "
-            f"--device=cpu (or auto)")
-
-
-def resolve_device(name):
-    """auto -> cuda when a GPU is visible, else cpu; cuda -> cuda:LOCAL_RANK."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if name == "cuda" else name
-
-
-def parse_args(argv):
-    """--key=value strings -> (TrainConfig, ModelConfig, the keys typed on the command line).
-
-    The preset is --preset, else the device's (DEVICE_PRESETS); its values replace the
-    TrainConfig defaults, and typed keys replace those."""
-    given, _ = parse_flags(argv, {"training keys": TRAIN_DEFAULTS, "model keys": MODEL_DEFAULTS},
-                           "train.py", choices={"resume": ("false", "true", "auto"), "preflight": ("auto", "on", "off"),
-                                                "hellaswag": ("auto", "true", "false")},
-                           doc=__doc__ + f"\npresets: {', '.join(TRAIN_PRESETS)}; model sizes: "
-                           f"{', '.join(PRESETS)}; --attn: {', '.join(VARIANTS)}")
-    device = given.get("device", "auto")
-    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
-        fail(f"unknown --device={device}; valid: auto, cpu, cuda")
-    preset = given.get("preset") or DEVICE_PRESETS[resolve_device(device).split(":")[0]]
-    if preset not in TRAIN_PRESETS:
-        fail(f"unknown --preset={preset}; valid presets: {', '.join(TRAIN_PRESETS)}")
-    train = {**TRAIN_PRESETS[preset], "preset": preset}
-    train.update({k: v for k, v in given.items() if k in TRAIN_DEFAULTS})
-    tc = TrainConfig(**{k: v for k, v in train.items() if k in TRAIN_DEFAULTS})
-    if tc.model not in PRESETS:
-        fail(f"unknown --model={tc.model}; valid model presets: {', '.join(PRESETS)}")
-    if tc.dtype not in ("auto", "bfloat16", "float32"):
-        fail(f"unknown --dtype={tc.dtype}; valid: auto, bfloat16, float32")
-    for key in ("max_steps", "seq_len", "batch_size", "eval_every", "ckpt_every", "total_batch_tokens"):
-        if getattr(tc, key) < 1:
-            fail(f"--{key}={getattr(tc, key)}: must be at least 1")
-    model_keys = {k: v for k, v in given.items() if k in MODEL_DEFAULTS}
-    model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
-    mc = model_config(tc, model_keys)
-    check_budget(mc, tc.seq_len)
-    if tc.eval_seqs < 0:
-        fail(f"--eval_seqs={tc.eval_seqs}: must be >= 0 (0 turns loss by position off)")
-    if mc.attn == "indexer" and not 0 <= tc.indexer_warmup <= tc.max_steps:
-        fail(f"--indexer_warmup={tc.indexer_warmup}: must be in 0 .. max_steps={tc.max_steps} (steps of dense "
-             f"attention before the indexer's selection takes over)")
-    return tc, mc, set(given)
-
-
-def check_budget(mc, seq_len):
-    """nsa and moba select blocks: a selection covering the whole sequence is dense attention."""
-    if mc.attn == "nsa" and mc.nsa_topk * mc.nsa_block > seq_len:
-        fail(f"--nsa_topk={mc.nsa_topk} x --nsa_block={mc.nsa_block} = {mc.nsa_topk * mc.nsa_block} keys > "
-             f"seq_len={seq_len}: the selection would be dense; use nsa_topk in 3 .. {max(3, seq_len // mc.nsa_block)}")
-    if mc.attn == "moba" and mc.moba_topk * mc.moba_block > seq_len:
-        fail(f"--moba_topk={mc.moba_topk} x --moba_block={mc.moba_block} = {mc.moba_topk * mc.moba_block} keys > "
-             f"seq_len={seq_len}: the selection would be dense; use moba_topk in 1 .. {max(1, seq_len // mc.moba_block)}")
-
-
-def model_config(tc, overrides):
-    """The ModelConfig of this run: the size preset tc.model, then single-field overrides."""
-    if overrides.get("attn", "full") not in VARIANTS:
-        fail(f"unknown --attn={overrides['attn']}; valid attention variants: {', '.join(VARIANTS)}")
-    try:  # the data folder's tokenizer sets the vocabulary, unless --vocab_size does
-        has_data = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE)) or train_tokens_found(tc.data_dir)[0]
-        n_ids = data.tokenizer_of(tc.data_dir)[1] if has_data else PRESETS[tc.model].get("vocab_size", 50257)
-        overrides = {"vocab_size": -(-n_ids // 64) * 64, **overrides}  # a multiple of 64: 50257 -> 50304
-        data.check_vocab(tc.data_dir, overrides["vocab_size"])
-    except data.ShardError as e:
-        fail(str(e), code=1)
-    try:
-        return ModelConfig(**{**PRESETS[tc.model], **overrides})
-    except ValueError as e:
-        fail(str(e))
-
-
-# ----------------------------------------------------------------------------- set-up
-
-def init_process_group(backend, rank, world):
-    """dist.init_process_group, with a key prefix of its own for each torchrun restart.
-    torchrun's agent keeps serving one key-value store at MASTER_ADDR:MASTER_PORT across
-    restarts, and torch keys the default group's addresses by rank alone, so a restarted
-    rank could read the address of the dead rank it replaces: gloo then failed with
-    "Connection refused" or hung while connecting (3 of 3 restart tests run side by side
-    failed without this prefix, 6 of 6 passed with it)."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0":
-        dist.init_process_group(backend=backend)
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"restart_{restart}", store),
-                            rank=rank, world_size=world)
-
-
-def set_up(tc):
-    """Processes, device, seeds and precision -> a dict describing this process's run.
-    torchrun sets RANK / LOCAL_RANK / WORLD_SIZE; a dry run joins no process group and
-    touches no GPU, so `--device=cuda --dry_run=True` works anywhere."""
-    ddp = "RANK" in os.environ
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(tc.device)
-    cuda = device.startswith("cuda")
-    dtype = tc.dtype if tc.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    if not tc.dry_run:
-        if cuda:
-            if cuda_missing():
-                fail(cuda_missing())
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            if torch.cuda.device_count() < local_world:
-                fail(f"{local_world} processes per node need {local_world} GPUs, but "
-                     f"{torch.cuda.device_count()} are visible; lower --nproc_per_node"
-                     + ("" if torch.cuda.device_count() else " or pass --device=cpu"))
-            torch.cuda.set_device(device)
-            # float32 matmuls outside autocast (and master-weight maths) may use TF32 tensor cores
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        else:
-            keep_freed_memory()
-        if ddp:
-            init_process_group("nccl" if cuda else "gloo", rank, world)
-    torch.manual_seed(tc.seed)
-    np.random.seed(tc.seed)
-    random.seed(tc.seed)
-    # Autocast runs the matmuls in bf16 while the weights, gradients and AdamW state stay
-    # float32. CPU runs default to float32: exact and reproducible for tests and laptops.
-    autocast = (torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
-                if dtype == "bfloat16" and not tc.dry_run else nullcontext())
-    return dict(ddp=ddp, rank=rank, world=world, master=rank == 0, device=device, dtype=dtype,
-                autocast=autocast)
-
-
-def fit_batch(tc, world, typed):
-    """The global batch of tc.total_batch_tokens -> (tc, gradient accumulation, note).
-
-    It must be a whole number of micro-batches (batch_size x seq_len x world tokens). When the
-    defaults do not divide for this world size, keep the global batch and lower batch_size
-    (to no less than half), else move total_batch_tokens to its nearest valid value, and say
-    so; values typed on the command line are never changed: they get an error instead."""
-    micro = tc.batch_size * tc.seq_len * world
-    if tc.total_batch_tokens % micro == 0:
-        return tc, tc.total_batch_tokens // micro, None
-    if "batch_size" not in typed:
-        for b in range(tc.batch_size - 1, (tc.batch_size + 1) // 2 - 1, -1):
-            if tc.total_batch_tokens % (b * tc.seq_len * world) == 0:
-                accum = tc.total_batch_tokens // (b * tc.seq_len * world)
-                return (replace(tc, batch_size=b), accum,
-                        f"batch_size {tc.batch_size} -> {b}, so that {world} processes split "
-                        f"the global batch of {tc.total_batch_tokens:,} tokens evenly")
-    if "total_batch_tokens" not in typed:
-        n = max(1, round(tc.total_batch_tokens / micro))
-        return (replace(tc, total_batch_tokens=n * micro), n,
-                f"total_batch_tokens {tc.total_batch_tokens:,} -> {n * micro:,}, the nearest "
-                f"multiple of batch_size x seq_len x world_size = {tc.batch_size} x {tc.seq_len} x {world}")
-    fail(f"total_batch_tokens={tc.total_batch_tokens} is not divisible by batch_size * seq_len * "
-         f"world_size = {tc.batch_size} * {tc.seq_len} * {world} = {micro}; choose "
-         f"--total_batch_tokens as a multiple of {micro} or change --batch_size")
-
-
-# ----------------------------------------------------------------------------- plan
-
-def train_tokens_found(data_dir):
-    """(train tokens in data_dir's shards, None) or (None, why there are none); reads only
-    the shard headers."""
-    try:
-        return sum(len(data.load_shard(p)) for p in data.find_shards(data_dir, "train")), None
-    except data.ShardError as e:
-        return None, str(e)
-
-
-DRY_RUN_ACTIONS = {"start": "start a new run in", "resume": "resume the run in", "refuse": "refuse"}
-FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "a real run would refuse it: see the last line"}
-
-
-def window_plan(mc, seq_len):
-    """(what a query of a seq_len-token sequence sees under mc's variant, printed in the plan;
-    a warning when a window covers the whole sequence, so the variant is full attention, or None)."""
-    T, W, v = seq_len, mc.window, mc.attn
-    of = f", of a {T}-token sequence"
-    covers = (f"{v}: window {W} covers the whole {T}-token sequence (a query has at most {T - 1} keys "
-              f"before it), so it computes full attention; pass --window below {T - 1}") if W >= T - 1 else None
-    if v == "local" or (v == "asga" and mc.asga_gate == "fixed"):
-        return f"{W} keys back{of}", covers
-    if v == "dsa" and mc.dsa_window == "fixed":
-        return f"{W} keys back for every query{of}", covers
-    if v == "dsa" and mc.dsa_window == "adaptive":
-        line = f"{W} keys back for queries at positions >= {mc.dsa_threshold} (dsa_threshold), every key below it{of}"
-        if mc.dsa_threshold >= T:
-            return line, (f"dsa: dsa_threshold {mc.dsa_threshold} >= seq_len {T}: no query is windowed, so it "
-                          f"computes full attention; pass --dsa_threshold below {T}")
-        return line, covers
-    if v == "caa":
-        topk = "k_i = ceil(sqrt(i + 1))" if mc.caa_topk == "sqrt" else "every key (caa_topk=all)"
-        line = (f"local branch {W} to {mc.caa_window_max} keys back (learned per token, soft edge "
-                f"{mc.caa_tau:g}), global branch top-k {topk}, gate {mc.caa_gate}{of}")
-        return line, (covers.replace("so it computes full attention", "so its local branch is full attention")
-                      if covers and mc.caa_gate != "global" else None)
-    if v == "combiner":
-        return (f"blocks of {W} keys, plus one summary per completed block{of}",
-                f"combiner: block {W} >= seq_len {T}: one block, so it computes full attention; pass "
-                f"--window below {T}" if W >= T else None)
-    if v == "nsa":
-        reach = mc.nsa_topk * mc.nsa_block
-        line = (f"compressed keys of {mc.nsa_cmp_block} every {mc.nsa_cmp_stride}, the top {mc.nsa_topk} blocks of "
-                f"{mc.nsa_block} ({reach} keys), a window {mc.nsa_window} keys back{of}")
-        return line, (f"nsa: its {mc.nsa_topk} selected blocks of {mc.nsa_block} cover the whole {T}-token sequence, "
-                      f"so its selected branch is full attention; pass a smaller --nsa_topk or --nsa_block"
-                      if reach >= T else None)
-    if v == "moba":
-        reach = mc.moba_topk * mc.moba_block
-        line = f"its own block and the top {mc.moba_topk - 1} earlier blocks of {mc.moba_block} ({reach} keys){of}"
-        return line, (f"moba: {mc.moba_topk} blocks of {mc.moba_block} cover the whole {T}-token sequence, so it "
-                      f"computes full attention; pass a smaller --moba_topk or --moba_block" if reach >= T else None)
-    if v == "indexer":
-        k = mc.index_topk or W
-        line = (f"the top {k} keys per query by a lightning indexer of {mc.index_heads} heads of "
-                f"{mc.index_head_dim} (index_topk{'' if mc.index_topk else ' = the window'}){of}")
-        return line, (f"indexer: {k} keys per query cover the whole {T}-token sequence, so it computes full "
-                      f"attention; pass --index_topk below {T}" if k >= T else None)
-    gate = "a learned pair gate on " if v == "asga" and mc.asga_gate == "learned" else ""
-    return f"none: {gate}every key j <= i{of}", None
-
-
-def shards_command(tc, mc, local=False):
-    """The data.py command that makes enough shards for this run in tc.data_dir: bytes for a
-    byte model (vocab_size <= 256, or a folder recorded as bytes), else GPT-2 BPE tokens.
-    local: from the user's own text files instead of a download."""
-    recorded = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE))
-    byte = (data.tokenizer_of(tc.data_dir)[0] if recorded else "byte" if mc.vocab_size <= 256 else "gpt2") == "byte"
-    if local:
-        return f"python data.py {'--tokenizer=byte ' if byte else ''}--source='path/to/*.jsonl' --out_dir={tc.data_dir}"
-    planned = tc.max_steps * tc.total_batch_tokens
-    if byte:  # data.py's --max_tokens counts the val shard too (a tenth, at most 10M): leave room for it
-        total = planned + min(10_000_000, math.ceil(planned / 9))
-        return f"python data.py --tokenizer=byte --source=fineweb --out_dir={tc.data_dir} --max_tokens={math.ceil(total / 1e6) * 1_000_000}"
-    return f"python data.py --source=fineweb-gpt2 --out_dir={tc.data_dir} --shards={math.ceil(planned / SHARD_TOKENS)}"
-
-
-def print_plan(tc, mc, run, accum, action):
-    """The run's plan, printed once (rank 0) before the first step, with the data budget;
-    action: what the run does with out_dir (folder_action)."""
-    with torch.device("meta"):  # the parameter count without allocating the weights
-        meta_model = Model(mc)
-    n_params = meta_model.num_params()
-    planned = tc.max_steps * tc.total_batch_tokens
-    found, problem = train_tokens_found(tc.data_dir)
-    make = shards_command(tc, mc)
-    if found is None:
-        data_line = f"no shards found at {tc.data_dir}" + (f" ({problem})" if "does not exist" not in problem else "")
-    else:
-        data_line = f"{found:,} training tokens found in {tc.data_dir}: {planned / found:.2f} epochs"
-    window_line, window_warning = window_plan(mc, tc.seq_len)
-    precision = ("bfloat16 autocast, float32 master weights" if run["dtype"] == "bfloat16" else "float32")
-    if run["device"].startswith("cuda"):
-        precision += ", TF32 matmuls"
-    lines = [
-        f"device      {run['device']} x {run['world']} process(es)" + (" (dry run)" if tc.dry_run else ""),
-        f"precision   {precision}",
-        f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
-        f"flops       {flops.describe(meta_model, tc.seq_len)} (flops.py; MFU in the log on A100/H100/H200)",
-        f"attention   {mc.attn}, {attention_path(mc, run['device'])}",
-        f"window      {window_line}",
-        f"batch       {tc.total_batch_tokens:,} tokens/step = {tc.batch_size} seq x {tc.seq_len} tokens "
-        f"x {run['world']} process(es) x {accum} accumulation",
-        f"steps       {tc.max_steps:,}" + (f" (this job stops after {tc.stop_step:,})" if tc.stop_step else "")
-        + f", lr {tc.lr:g}, warm-up {tc.warmup_steps}, cosine to {tc.min_lr_frac:g} x lr"
-        + (f"; indexer lr {tc.indexer_lr:g}, dense for the first {tc.indexer_warmup} steps (indexer_warmup), "
-           f"then sparse" if mc.attn == "indexer" else ""),
-        f"tokens      {planned:,} planned; {data_line}",
-        f"compile     {'on' if tc.compile else 'off'}",
-        f"preflight   " + ("on: kernel=" + mc.kernel + " checked against kernel=ref before step 1, with a fallback"
-                           if preflight_on(tc, run["device"]) and mc.kernel != "ref" else "off"),
-        f"run folder  {tc.out_dir} ({FOLDER_LINES[action]})",
-    ]
-    print("plan\n  " + "\n  ".join(lines), flush=True)
-    if window_warning:
-        print(f"warning: {window_warning}", flush=True)
-    if found is None:
-        print(f"warning: no shards found at {tc.data_dir}; this run needs {planned:,} tokens: {make}", flush=True)
-    elif planned > found:
-        print(f"warning: the run plans {planned:,} tokens but {tc.data_dir} holds {found:,} "
-              f"training tokens, so it repeats the data ({planned / found:.2f} epochs); to see "
-              f"each token once: {make}", flush=True)
-
-
-# ----------------------------------------------------------------------------- preflight
-
-# Fallbacks, best first, for an attention path that fails its preflight.
-FALLBACKS = ("blockwise", "ref")
-
-
-def preflight_on(tc, device):
-    return tc.preflight == "on" or (tc.preflight == "auto" and device.startswith("cuda"))
-
-
-def preflight(raw_model, x, mc, run, typed):
-    """On CUDA (or --preflight=on): before the first step, run the chosen attention path's
-    forward and backward on a slice of real data (x: (B, T) tokens, as the run's autocast
-    runs it) against the reference path (kernel='ref', attention.py), and check the loss and
-    every gradient. Where the chosen path raises (a kernel the GPU's compiler rejects, as
-    asga's learned gate did on torch 2.13) or disagrees beyond rounding (a relative error
-    above 5e-2 in bf16, 1e-3 in float32: a wrong kernel, not rounding), the run switches to
-    the first of FALLBACKS that passes and says so in one line; a --kernel typed on the command
-    line stops the run with that line instead. Every rank checks every path and the ranks
-    agree on the choice (one all-reduce), so they all run the same kernels. Returns the
-    kernel the run uses; the model's modules are switched to it (model.set_kernel)."""
-    chosen = mc.kernel
-    if chosen == "ref":
-        return chosen
-    device = run["device"]
-    paths = [chosen] + [k for k in FALLBACKS if k != chosen]
-    tol = 5e-2 if run["dtype"] == "bfloat16" else 1e-3
-
-    def loss_and_grads(kernel):
-        set_kernel(raw_model, kernel)
-        raw_model.zero_grad(set_to_none=True)
-        with run["autocast"]:
-            _, loss = raw_model(x[:, :-1], x[:, 1:])
-            kl = raw_model.indexer_loss()
-        (loss if kl is None else loss + kl).backward()
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
-                           for p in raw_model.parameters()])
-        raw_model.zero_grad(set_to_none=True)
-        return loss.detach().float(), grads
-
-    try:
-        ref_loss, ref_grads = loss_and_grads("ref")
-    except Exception as e:
-        set_kernel(raw_model, chosen)
-        fail(f"preflight: the reference attention path (kernel=ref) itself failed on {device}: "
-             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; lower --seq_len or --batch_size, "
-             f"or skip the check with --preflight=off", code=1)
-    verdicts = {}
-    for kernel in paths:
-        if kernel == "ref":
-            verdicts[kernel] = (True, "the reference")
-            continue
-        try:
-            loss, grads = loss_and_grads(kernel)
-            err = max(abs(loss - ref_loss).item() / max(abs(ref_loss).item(), 1e-6),
-                      ((grads - ref_grads).norm() / ref_grads.norm().clamp(min=1e-12)).item())
-            verdicts[kernel] = (err <= tol, f"relative error {err:.1e} against the reference (bound {tol:g})")
-        except Exception as e:  # a compile or launch error: the one-line reason
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            verdicts[kernel] = (False, f"{type(e).__name__}: {first[:300]}")
-    passed = torch.tensor([float(verdicts[k][0]) for k in paths], device=device)
-    if run["ddp"]:
-        dist.all_reduce(passed, op=dist.ReduceOp.MIN)  # a path passes only where it passed on every rank
-    use = next(k for k, ok in zip(paths, passed.tolist()) if ok)
-    set_kernel(raw_model, use)
-    name = lambda k: f"kernel={k} ({attention_path(replace(mc, kernel=k), device).split(': ', 1)[1]})"
-    if use == chosen:
-        if run["master"]:
-            print(f"preflight: {name(chosen)} matches the reference: {verdicts[chosen][1]}", flush=True)
-        return use
-    why = verdicts[chosen][1] if not verdicts[chosen][0] else "failed on another rank"
-    if "kernel" in typed:
-        fail(f"preflight: {name(chosen)} failed: {why}; pick another --kernel ({', '.join(FALLBACKS)}; "
-             f"{use} passed here) or skip the check with --preflight=off", code=1)
-    if run["master"]:
-        print(f"preflight: {name(chosen)} failed: {why}; this run uses {name(use)} instead "
-              f"(slower; please report the failure with `python benchmarks/gpu_check.py`)", flush=True)
-    return use
-
-
-# ----------------------------------------------------------------------------- optimisation
-
-def set_dense_warmup(model, on):
-    """Switch the indexer layers' dense warm-up ([DS32] §2.1) on or off; None when the model
-    has no indexer, else `on`."""
-    layers = [layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "dense_warmup")]
-    for attn in layers:
-        attn.dense_warmup = on
-    return on if layers else None
-
-
-def lr_at(step, tc):
-    """Linear warm-up to lr over warmup_steps, then cosine down to lr * min_lr_frac."""
-    if step < tc.warmup_steps:
-        return tc.lr * (step + 1) / tc.warmup_steps
-    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
-    min_lr = tc.lr * tc.min_lr_frac
-    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - min_lr)
-
-
-def make_optimizer(model, tc):
-    """AdamW; weight decay only on matrices. Norm weights, biases and gains (all 1-D) and the
-    embedding (also the tied head) are not decayed, as in nanoGPT / GPT-3. The fused kernel
-    exists on CPU too and is ~8x faster there than the default for-each one."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    indexer = {id(p) for name, p in model.named_parameters() if ".indexer." in name}
-    decay, no_decay, index_decay, index_no_decay = [], [], [], []
-    for p in model.parameters():  # parameters() yields a tied weight once
-        matrix = p.dim() >= 2 and id(p) not in embeddings
-        if id(p) in indexer:  # [DS32]'s indexer has its own lr (lr_scale: indexer_lr / lr)
-            (index_decay if matrix else index_no_decay).append(p)
-        else:
-            (decay if matrix else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": tc.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if indexer:
-        groups += [{"params": index_decay, "weight_decay": tc.weight_decay, "lr_scale": tc.indexer_lr / tc.lr},
-                   {"params": index_no_decay, "weight_decay": 0.0, "lr_scale": tc.indexer_lr / tc.lr}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
-
-
-# ----------------------------------------------------------------------------- checkpoints and resume
-
-def rng_state(device):
-    """Every random generator the run draws from, as tensors, ints, floats, lists and None, so
-    the checkpoint loads weights-only (model.read_checkpoint) and resume stays bit-exact."""
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()  # ('MT19937', (624,) uint32, ...)
-    version, internal, gauss_next = random.getstate()  # (3, 625 ints, float or None)
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
-            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
-
-
-def set_rng_state(state, device):
-    """The inverse of rng_state."""
-    torch.set_rng_state(state["torch"].cpu())
-    if device.startswith("cuda") and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
-
-
-def folder_action(tc, ckpt_path, mc=None):
-    """What the run does with out_dir -> ("start" | "resume" | "refuse", why it refuses).
-
-    --resume=false refuses a folder that already holds a run, --resume=true a folder that
-    holds none, --resume=auto takes whichever applies. A torchrun restart (the group was
-    restarted after a worker died) resumes as auto, whatever the command line says. Given mc,
-    a run of another model config (its config.json) is refused too, as `resume` would."""
-    mode, exists = tc.resume, os.path.exists(ckpt_path)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-        mode = "auto"
-    if mode == "false" and exists:
-        return "refuse", (f"{tc.out_dir} already holds a run (ckpt.pt); pass --resume=True to continue "
-                          f"it, or choose another --out_dir")
-    if mode == "true" and not exists:
-        return "refuse", (f"--resume=True but {ckpt_path} does not exist; drop --resume (or use "
-                          f"--resume=auto) to start a new run")
-    if exists and mc is not None:
-        try:
-            with open(os.path.join(tc.out_dir, "config.json")) as f:
-                saved = json.load(f)["model"]
-        except (OSError, ValueError, KeyError, TypeError):
-            saved = {}  # no readable config.json: resume() checks the checkpoint itself
-        changed = {k: (v, getattr(mc, k, None)) for k, v in saved.items() if getattr(mc, k, None) != v}
-        if changed:
-            return "refuse", (f"the model config differs from the run in {tc.out_dir}: {changed} "
-                              f"(saved, now); resume with the same model settings or choose another --out_dir")
-    return ("resume" if exists else "start"), None
-
-
-def resuming(tc, ckpt_path):
-    """Whether this job continues the run in out_dir (True) or starts a new one (False);
-    a folder it may not use is an error (folder_action says why)."""
-    action, why = folder_action(tc, ckpt_path)
-    if action == "refuse":
-        fail(why)
-    return action == "resume"
-
-
-def resume(ckpt_path, mc, raw_model, optimizer, loader, device):
-    """Load the checkpoint's weights, optimizer, data position and RNG states -> its step."""
-    try:
-        ckpt = read_checkpoint(ckpt_path, device)
-    except CheckpointError as e:
-        fail(str(e), code=1)
-    changed = {k: (v, getattr(mc, k, None)) for k, v in ckpt["model_config"].items() if getattr(mc, k, None) != v}
-    if changed:
-        fail(f"the model config differs from the checkpoint's: {changed} (saved, now); resume with "
-             f"the same model settings as the run in {os.path.dirname(ckpt_path)}")
-    raw_model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    try:
-        loader.load_state_dict(ckpt["loader"])
-    except data.ShardError as e:
-        fail(str(e), code=1)
-    set_rng_state(ckpt["rng"], device)
-    return ckpt["step"]
-
-
-def save(ckpt_path, step, raw_model, optimizer, loader, tc, mc, device):
-    save_checkpoint(ckpt_path, {
-        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-        "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
-        "tokenizer": data.tokenizer_of(tc.data_dir)[0],  # sample.py decodes with it
-        "loader": loader.state_dict(), "rng": rng_state(device)})
-
-
-# ----------------------------------------------------------------------------- log
-
-class RunLog:
-    """config.json and log.jsonl in the run folder, written by rank 0 only (other ranks get a
-    RunLog that writes nothing). On resume, records of steps after the checkpoint's (lost
-    when the job died) are dropped, and `lost` says how many steps that was."""
-
-    def __init__(self, out_dir, master, run_info, step, resumed):
-        self.master, self.lost, self.file, self.info = master, 0, None, run_info
-        if not master:
-            return
-        path = os.path.join(out_dir, "log.jsonl")
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(run_info, f, indent=1)
-        kept, last = [], step
-        if resumed and os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut short by a SIGKILL
-                        continue
-                    last = max(last, record.get("step", 0) if "loss" in record else 0)
-                    if record.get("step", 0) <= step:
-                        kept.append(line)
-        self.lost = last - step
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-        self.file = open(path, "a")
-
-    def write(self, record):
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-
-def git_commit():
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def param_hash(model):
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-@torch.no_grad()
-def evaluate(model, raw_model, val_loader, gate_x, run):
-    """Mean val loss over the fixed val tokens (all ranks), plus gate stats on rank 0."""
-    device = run["device"]
-    model.eval()
-    total = torch.zeros((), device=device)
-    for x, y in val_loader:
-        with run["autocast"]:
-            total += model(x.to(device), y.to(device))[1].float()
-    total /= len(val_loader)
-    if run["ddp"]:
-        dist.all_reduce(total)  # gloo has no AVG: sum, then divide
-        total /= run["world"]
-    gates = {}
-    if run["master"]:
-        raw_model.record_gates(True)
-        with run["autocast"]:
-            raw_model(gate_x)
-        gates = raw_model.gate_stats()
-        raw_model.record_gates(False)
-    model.train()
-    return total.item(), gates
-
-
-def final_eval(raw_model, tc, run, step, runlog, log):
-    """evaluate.py's evaluations of the final weights (every rank calls it): eval.json in the
-    run folder and an `eval` record in log.jsonl. Nothing here fails the run (the checkpoint
-    is already written): what cannot run is recorded with its reason."""
-    hellaswag_on = tc.hellaswag == "true" or (tc.hellaswag == "auto" and run["device"].startswith("cuda"))
-    if tc.eval_seqs == 0 and not hellaswag_on:
-        return
-    record = evaluate_model(
-        raw_model, data_dir=tc.data_dir, tokenizer=data.tokenizer_of(tc.data_dir)[0], trained_len=tc.seq_len,
-        step=step, n_seq=tc.eval_seqs, batch_size=tc.batch_size, device=run["device"], autocast=run["autocast"],
-        hellaswag_on=hellaswag_on, rank=run["rank"], world=run["world"], log=log)
-    if run["master"]:
-        path = os.path.join(tc.out_dir, "eval.json")
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
-        summary = {"event": "eval", "step": step, "nats_per_token": record.get("nats_per_token"),
-                   "bits_per_byte": record.get("bits_per_byte"), "unigram": record.get("unigram")}
-        if "hellaswag" in record:
-            summary["hellaswag"] = {k: v for k, v in record["hellaswag"].items() if k in ("acc", "acc_norm", "items", "skipped")}
-        runlog.write(summary)
-        log(f"wrote {path}: loss by position, bits per byte" + (", HellaSwag" if hellaswag_on else ""))
-
-
-# ----------------------------------------------------------------------------- the run's parts
-
-def open_data(tc, mc, run):
-    """The training loader and the fixed validation prefix of this rank."""
-    try:
-        loader = data.DistributedLoader(tc.data_dir, tc.batch_size, tc.seq_len, run["rank"], run["world"], tc.seed)
-        val_loader = data.ValLoader(tc.data_dir, tc.batch_size, tc.seq_len, tc.val_tokens, run["rank"], run["world"])
-    except data.NoShards as e:  # name the command that makes this run's kind of tokens
-        fail(f"{e.problem}; make its shards with `{shards_command(tc, mc)}` (needs internet), or from "
-             f"local text files with `{shards_command(tc, mc, local=True)}`", code=1)
-    except data.ShardError as e:
-        fail(str(e), code=1)
-    return loader, val_loader
-
-
-def wrap(raw_model, gate_x, tc, run):
-    """The model the loop calls: compiled when tc.compile, wrapped in DDP under torchrun."""
-    model = torch.compile(raw_model) if tc.compile else raw_model
-    if run["ddp"]:
-        # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
-        # once on the raw model rather than pay find_unused_parameters's search every step.
-        raw_model(gate_x[:1])[0].sum().backward()
-        unused = any(p.grad is None for p in raw_model.parameters())
-        raw_model.zero_grad(set_to_none=True)
-        cuda = run["device"].startswith("cuda")
-        model = DDP(model, device_ids=[torch.device(run["device"])] if cuda else None, find_unused_parameters=unused)
-    return model
-
-
-def open_log(tc, mc, run, accum, raw_model, step, resumed):
-    """The run's config.json and log.jsonl (rank 0), and the resume line when resuming."""
-    device = run["device"]
-    run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
-                "world_size": run["world"], "grad_accum": accum, "num_params": raw_model.num_params(),
-                "tokenizer": data.tokenizer_of(tc.data_dir)[0],
-                "flops_per_token": flops.flops_per_token(raw_model, tc.seq_len),
-                "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-                "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
-                "train": asdict(tc), "model": asdict(mc)}
-    runlog = RunLog(tc.out_dir, run["master"], run_info, step, resumed)
-    runlog.write({"event": "resume" if resumed else "start", "step": step, "time": time.time(), **run_info})
-    if resumed:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        if run["master"]:
-            print(f"{f'torchrun restart {restart}: ' if restart else ''}resumed from step {step}; "
-                  f"lost {runlog.lost} step(s) run after that checkpoint", flush=True)
-        runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
-    return runlog
-
-
-def throughput(tok_s, info, world):
-    """FLOP/s per device from the run's tokens/s (all processes), and the MFU against the
-    device's dense bf16 peak where flops.PEAK_BF16 knows the device (CUDA only)."""
-    flop_s = info["flops_per_token"] * tok_s / world
-    use = flops.mfu(flop_s, info["device_name"]) if info["device"].startswith("cuda") else None
-    return {"flop_s": flop_s} if use is None else {"flop_s": flop_s, "mfu": use}
-
-
-class StopRequest:
-    """SIGTERM / SIGINT (Ctrl-C) ask the loop to stop after the current step; `signum` holds
-    the first signal. A second signal abandons the step at once (no checkpoint), but not under
-    torchrun: there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by
-    torchrun), and torchrun itself SIGKILLs workers that have not exited within its timeout."""
-
-    def __init__(self, ddp):
-        self.signum, self.ddp = None, ddp
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
-
-    def on_signal(self, signum, frame):
-        if self.signum is not None and not self.ddp:
-            raise KeyboardInterrupt
-        self.signum = self.signum or signum
-
-
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- the loop
+# main() is the run from top to bottom; the functions after it are its parts, in the order it uses them.
 
 def main(argv=None):
     # -- set-up: configuration, processes, device, the batch for this world size
-    tc, mc, typed = parse_args(sys.argv[1:] if argv is None else argv)
+    tc, mc, typed = parse_args(sys.argv[1:] if argv is None else argv, doc=__doc__)
     run = set_up(tc)
     device, master, ddp, world = run["device"], run["master"], run["ddp"], run["world"]
     log = print if master else (lambda *a, **k: None)
     tc, accum, note = fit_batch(tc, world, typed)
     ckpt_path = os.path.join(tc.out_dir, "ckpt.pt")
 
-    # -- plan: printed once, before anything is loaded; a dry run prints it whatever the
-    # folder holds, says what a real run would do with it, and stops
+    # -- plan: printed once (rank 0), before anything is loaded; a dry run prints it whatever
+    # the folder holds, says what a real run would do with it, and stops
+    resumed = plan_run(tc, mc, run, accum, note)
     if tc.dry_run:
-        action, why = folder_action(tc, ckpt_path, mc)
-        if master:
-            print_plan(tc, mc, run, accum, action)
-            if note:
-                log(f"note: {note}")
-            log(f"dry run: a real run would {DRY_RUN_ACTIONS[action]} {tc.out_dir}" + (f": {why}" if why else ""))
         return
-    resumed = resuming(tc, ckpt_path)
-    if master:
-        print_plan(tc, mc, run, accum, "resume" if resumed else "start")
-        if note:
-            log(f"note: {note}")
 
     # -- data, model, optimizer, resume, log
     loader, val_loader = open_data(tc, mc, run)
@@ -1063,6 +182,276 @@ def main(argv=None):
         dist.destroy_process_group()
     if len(set(hashes)) != 1:
         fail(f"ranks ended with different weights: {hashes}", code=1)
+
+
+# ----------------------------------------------------------------------------- the model
+
+def wrap(raw_model, gate_x, tc, run):
+    """The model the loop calls: compiled when tc.compile, wrapped in DDP under torchrun."""
+    model = torch.compile(raw_model) if tc.compile else raw_model
+    if run["ddp"]:
+        # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
+        # once on the raw model rather than pay find_unused_parameters's search every step.
+        raw_model(gate_x[:1])[0].sum().backward()
+        unused = any(p.grad is None for p in raw_model.parameters())
+        raw_model.zero_grad(set_to_none=True)
+        cuda = run["device"].startswith("cuda")
+        model = DDP(model, device_ids=[torch.device(run["device"])] if cuda else None, find_unused_parameters=unused)
+    return model
+
+
+# ----------------------------------------------------------------------------- optimisation
+
+def set_dense_warmup(model, on):
+    """Switch the indexer layers' dense warm-up ([DS32] §2.1) on or off; None when the model
+    has no indexer, else `on`."""
+    layers = [layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "dense_warmup")]
+    for attn in layers:
+        attn.dense_warmup = on
+    return on if layers else None
+
+
+def lr_at(step, tc):
+    """Linear warm-up to lr over warmup_steps, then cosine down to lr * min_lr_frac."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+    min_lr = tc.lr * tc.min_lr_frac
+    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - min_lr)
+
+
+def make_optimizer(model, tc):
+    """AdamW; weight decay only on matrices. Norm weights, biases and gains (all 1-D) and the
+    embedding (also the tied head) are not decayed, as in nanoGPT / GPT-3. The fused kernel
+    exists on CPU too and is ~8x faster there than the default for-each one."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    indexer = {id(p) for name, p in model.named_parameters() if ".indexer." in name}
+    decay, no_decay, index_decay, index_no_decay = [], [], [], []
+    for p in model.parameters():  # parameters() yields a tied weight once
+        matrix = p.dim() >= 2 and id(p) not in embeddings
+        if id(p) in indexer:  # [DS32]'s indexer has its own lr (lr_scale: indexer_lr / lr)
+            (index_decay if matrix else index_no_decay).append(p)
+        else:
+            (decay if matrix else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if indexer:
+        groups += [{"params": index_decay, "weight_decay": tc.weight_decay, "lr_scale": tc.indexer_lr / tc.lr},
+                   {"params": index_no_decay, "weight_decay": 0.0, "lr_scale": tc.indexer_lr / tc.lr}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(model, raw_model, val_loader, gate_x, run):
+    """Mean val loss over the fixed val tokens (all ranks), plus gate stats on rank 0."""
+    device = run["device"]
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in val_loader:
+        with run["autocast"]:
+            total += model(x.to(device), y.to(device))[1].float()
+    total /= len(val_loader)
+    if run["ddp"]:
+        dist.all_reduce(total)  # gloo has no AVG: sum, then divide
+        total /= run["world"]
+    gates = {}
+    if run["master"]:
+        raw_model.record_gates(True)
+        with run["autocast"]:
+            raw_model(gate_x)
+        gates = raw_model.gate_stats()
+        raw_model.record_gates(False)
+    model.train()
+    return total.item(), gates
+
+
+def final_eval(raw_model, tc, run, step, runlog, log):
+    """evaluate.py's evaluations of the final weights (every rank calls it): eval.json in the
+    run folder and an `eval` record in log.jsonl. Nothing here fails the run (the checkpoint
+    is already written): what cannot run is recorded with its reason."""
+    hellaswag_on = tc.hellaswag == "true" or (tc.hellaswag == "auto" and run["device"].startswith("cuda"))
+    if tc.eval_seqs == 0 and not hellaswag_on:
+        return
+    record = evaluate_model(
+        raw_model, data_dir=tc.data_dir, tokenizer=data.tokenizer_of(tc.data_dir)[0], trained_len=tc.seq_len,
+        step=step, n_seq=tc.eval_seqs, batch_size=tc.batch_size, device=run["device"], autocast=run["autocast"],
+        hellaswag_on=hellaswag_on, rank=run["rank"], world=run["world"], log=log)
+    if run["master"]:
+        path = os.path.join(tc.out_dir, "eval.json")
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+        summary = {"event": "eval", "step": step, "nats_per_token": record.get("nats_per_token"),
+                   "bits_per_byte": record.get("bits_per_byte"), "unigram": record.get("unigram")}
+        if "hellaswag" in record:
+            summary["hellaswag"] = {k: v for k, v in record["hellaswag"].items() if k in ("acc", "acc_norm", "items", "skipped")}
+        runlog.write(summary)
+        log(f"wrote {path}: loss by position, bits per byte" + (", HellaSwag" if hellaswag_on else ""))
+
+
+# ----------------------------------------------------------------------------- checkpoints and resume
+
+def resume(ckpt_path, mc, raw_model, optimizer, loader, device):
+    """Load the checkpoint's weights, optimizer, data position and RNG states -> its step."""
+    try:
+        ckpt = read_checkpoint(ckpt_path, device)
+    except CheckpointError as e:
+        fail(str(e), code=1)
+    changed = {k: (v, getattr(mc, k, None)) for k, v in ckpt["model_config"].items() if getattr(mc, k, None) != v}
+    if changed:
+        fail(f"the model config differs from the checkpoint's: {changed} (saved, now); resume with "
+             f"the same model settings as the run in {os.path.dirname(ckpt_path)}")
+    raw_model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    try:
+        loader.load_state_dict(ckpt["loader"])
+    except data.ShardError as e:
+        fail(str(e), code=1)
+    set_rng_state(ckpt["rng"], device)
+    return ckpt["step"]
+
+
+def save(ckpt_path, step, raw_model, optimizer, loader, tc, mc, device):
+    save_checkpoint(ckpt_path, {
+        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+        "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
+        "tokenizer": data.tokenizer_of(tc.data_dir)[0],  # sample.py decodes with it
+        "loader": loader.state_dict(), "rng": rng_state(device)})
+
+
+def rng_state(device):
+    """Every random generator the run draws from, as tensors, ints, floats, lists and None, so
+    the checkpoint loads weights-only (model.read_checkpoint) and resume stays bit-exact."""
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()  # ('MT19937', (624,) uint32, ...)
+    version, internal, gauss_next = random.getstate()  # (3, 625 ints, float or None)
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
+
+
+def set_rng_state(state, device):
+    """The inverse of rng_state."""
+    torch.set_rng_state(state["torch"].cpu())
+    if device.startswith("cuda") and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+
+
+# ----------------------------------------------------------------------------- log
+
+def open_log(tc, mc, run, accum, raw_model, step, resumed):
+    """The run's config.json and log.jsonl (rank 0), and the resume line when resuming."""
+    device = run["device"]
+    run_info = {"git_commit": git_commit(), "torch": torch.__version__, "device": device, "dtype": run["dtype"],
+                "world_size": run["world"], "grad_accum": accum, "num_params": raw_model.num_params(),
+                "tokenizer": data.tokenizer_of(tc.data_dir)[0],
+                "flops_per_token": flops.flops_per_token(raw_model, tc.seq_len),
+                "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+                "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "cpu peak RSS (getrusage)",
+                "train": asdict(tc), "model": asdict(mc)}
+    runlog = RunLog(tc.out_dir, run["master"], run_info, step, resumed)
+    runlog.write({"event": "resume" if resumed else "start", "step": step, "time": time.time(), **run_info})
+    if resumed:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if run["master"]:
+            print(f"{f'torchrun restart {restart}: ' if restart else ''}resumed from step {step}; "
+                  f"lost {runlog.lost} step(s) run after that checkpoint", flush=True)
+        runlog.write({"event": "resumed", "step": step, "lost_steps": runlog.lost, "restart": restart})
+    return runlog
+
+
+class RunLog:
+    """config.json and log.jsonl in the run folder, written by rank 0 only (other ranks get a
+    RunLog that writes nothing). On resume, records of steps after the checkpoint's (lost
+    when the job died) are dropped, and `lost` says how many steps that was."""
+
+    def __init__(self, out_dir, master, run_info, step, resumed):
+        self.master, self.lost, self.file, self.info = master, 0, None, run_info
+        if not master:
+            return
+        path = os.path.join(out_dir, "log.jsonl")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(run_info, f, indent=1)
+        kept, last = [], step
+        if resumed and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short by a SIGKILL
+                        continue
+                    last = max(last, record.get("step", 0) if "loss" in record else 0)
+                    if record.get("step", 0) <= step:
+                        kept.append(line)
+        self.lost = last - step
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
+
+    def write(self, record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+
+def git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def param_hash(model):
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def throughput(tok_s, info, world):
+    """FLOP/s per device from the run's tokens/s (all processes), and the MFU against the
+    device's dense bf16 peak where flops.PEAK_BF16 knows the device (CUDA only)."""
+    flop_s = info["flops_per_token"] * tok_s / world
+    use = flops.mfu(flop_s, info["device_name"]) if info["device"].startswith("cuda") else None
+    return {"flop_s": flop_s} if use is None else {"flop_s": flop_s, "mfu": use}
+
+
+def peak_memory_gb(device):
+    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak RSS."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+# ----------------------------------------------------------------------------- signals
+
+class StopRequest:
+    """SIGTERM / SIGINT (Ctrl-C) ask the loop to stop after the current step; `signum` holds
+    the first signal. A second signal abandons the step at once (no checkpoint), but not under
+    torchrun: there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by
+    torchrun), and torchrun itself SIGKILLs workers that have not exited within its timeout."""
+
+    def __init__(self, ddp):
+        self.signum, self.ddp = None, ddp
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.signum is not None and not self.ddp:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
 
 
 if __name__ == "__main__":

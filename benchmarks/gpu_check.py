@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 import flops  # noqa: E402
 import train  # noqa: E402
 from attention import VARIANTS  # noqa: E402
+from config import TrainConfig, preflight  # noqa: E402
 from model import PRESETS, Model, ModelConfig  # noqa: E402
 
 # Every variant, and each flag that changes the kernels (gpu_compile_check's configurations).
@@ -157,7 +158,7 @@ def training_rows(shape, device, dtype, compile_model):
     autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
     run = dict(device=device, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", autocast=autocast,
                ddp=False, master=True)
-    tc = train.TrainConfig()
+    tc = TrainConfig()
     name_of_device = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     for name, flags in CONFIGS:
         row = dict(config=name, T=T, batch=B, steps=steps)
@@ -167,7 +168,7 @@ def training_rows(shape, device, dtype, compile_model):
             model = Model(mc).to(device)
             row["flops_per_token"] = flops.flops_per_token(model, T)
             tokens = torch.randint(0, mc.vocab_size, (B, T + 1), device=device)
-            row["kernel"] = train.preflight(model, tokens[:2], mc, run, typed=set())
+            row["kernel"] = preflight(model, tokens[:2], mc, run, typed=set())
             optimizer = train.make_optimizer(model, tc)
             step_model = torch.compile(model) if compile_model else model
 
@@ -189,7 +190,7 @@ def training_rows(shape, device, dtype, compile_model):
             use = f"mfu {100 * row['mfu']:5.1f}%" if row["mfu"] is not None else f"{row['flop_s'] / 1e12:.3g} TFLOP/s"
             shown = f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}"
             del model, step_model, optimizer
-        except SystemExit as e:  # train.fail inside the preflight: its line is on stderr
+        except SystemExit as e:  # config.fail inside the preflight: its line is on stderr
             row["error"] = shown = f"stopped by the preflight (exit {e.code})"
         except Exception as e:  # noqa: BLE001 - kept in the row
             row["error"] = shown = first_line(e)

@@ -40,7 +40,7 @@ Under torchrun every rank starts the same child with its own RANK / LOCAL_RANK /
 so the children form a process group exactly as train.py does under torchrun. Each child
 group gets a store of its own (rank 0's host, a free port, sent to the ranks through
 torchrun's store): on torchrun's store every run's group would write the same keys, and a
-rank could read the previous group's address, the race train.init_process_group's docstring
+rank could read the previous group's address, the race config.init_process_group's docstring
 describes for restarts. Rank 0 alone decides which runs remain, prints, and writes files.
 SIGTERM / Ctrl-C reach the child, which writes a checkpoint after its current step and exits
 143 / 130; the study then exits with the same code.
@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import torch  # noqa: E402
 
 import analyze  # noqa: E402
+import config  # noqa: E402
 import figures  # noqa: E402
 import flops  # noqa: E402
 import sweep  # noqa: E402
@@ -103,17 +104,13 @@ OWN_FLAGS = {"attn": "--configs", "seed": "--seeds", "out_dir": "--out_dir", "re
 # ----------------------------------------------------------------------------- the plan
 
 def train_flag_names():
-    import train
-
-    return {f.name for f in fields(train.TrainConfig)} | {f.name for f in fields(ModelConfig)}
+    return {f.name for f in fields(config.TrainConfig)} | {f.name for f in fields(ModelConfig)}
 
 
 def parse_run(argv):
     """A run's train.py flags -> (TrainConfig, ModelConfig), exactly as train.py resolves them
     (the one place this file reads train.py's configuration)."""
-    import train
-
-    tc, mc, _ = train.parse_args(argv)
+    tc, mc, _ = config.parse_args(argv)
     return tc, mc
 
 
@@ -409,8 +406,6 @@ def device_of(tc):
 
 def missing(args, sizes):
     """What a real run of this plan lacks on this machine, one line each (empty: nothing)."""
-    import train
-
     found = []
     tc, mc = next(iter(sizes.values()))[:2]
     on_gpu = tc.device.startswith("cuda") or (tc.device == "auto" and args.preset != "cpu")
@@ -419,11 +414,11 @@ def missing(args, sizes):
                      f"{', a CPU-only build' if torch.version.cuda is None else ''}); run the study on a GPU node, "
                      f"or try it here with --tiny")
     tokens = tc.max_steps * tc.total_batch_tokens
-    have, _ = train.train_tokens_found(tc.data_dir)
+    have, _ = config.train_tokens_found(tc.data_dir)
     if have is None or have < tokens:
         what = f"no shards at {tc.data_dir}" if have is None else f"{have:,} training tokens at {tc.data_dir}"
         found.append(f"data: {what}; each run reads {tokens:,} tokens (the same ones at one seed): "
-                     f"{train.shards_command(tc, mc)}")
+                     f"{config.shards_command(tc, mc)}")
     if args.hellaswag_file:
         if not Path(args.hellaswag_file).exists():
             found.append(f"HellaSwag: --hellaswag_file={args.hellaswag_file} does not exist")

@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import config  # noqa: E402
 import model as model_module  # noqa: E402
 import train  # noqa: E402
 
@@ -71,7 +72,7 @@ def paired_model_class(seed):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    tc = train.parse_args(argv)[0]  # the seed train.py will use (its default if not given)
+    tc = config.parse_args(argv, doc=train.__doc__)[0]  # the seed train.py will use (its default if not given)
     train.Model = paired_model_class(tc.seed)  # train.py builds its model through this name
     return train.main(argv)
 

@@ -1,4 +1,4 @@
-"""The recall grid (MQAR, issue 21): every variant trained at one length on sequences over n
+"""The recall grid (MQAR): every variant trained at one length on sequences over n
 key-value pairs, for n in KV_PAIRS, then tested at 1x, 2x and 4x that length.
 
     python experiments/recall_grid.py --list              # every run, its state and its command
@@ -285,12 +285,13 @@ def figure(results_dir, path):
 
 
 def report(results_dir=RESULTS_DIR, results_md=ROOT / "RESULTS.md"):
-    """Rewrite RESULTS.md (experiments/sweep.py writes the whole file, this section included,
-    from the committed results) and draw assets/recall_grid.png."""
-    import sweep
-
-    text = sweep.results_markdown(Path(results_dir).parent, Path(results_md).resolve().parent)[0]
-    Path(results_md).write_text(text)
+    """Rewrite RESULTS.md and draw assets/recall_grid.png. experiments/sweep.py writes the whole
+    of RESULTS.md, this section included, from the committed results (its --results_only also
+    redraws the study's figures from the same logs). It runs as a process of its own: sweep.py
+    imports this module, and imports run one way."""
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "sweep.py"), "--results_only",
+                    f"--out_dir={Path(results_dir).parent}", f"--results_md={results_md}"],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     if load_results(results_dir):
         figure(results_dir, ROOT / "assets" / "recall_grid.png")
 

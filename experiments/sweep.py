@@ -90,7 +90,7 @@ RECALL_CONFIGS = TEXT_CONFIGS + [
     ("caa_local", "caa", {"caa_gate": "local"}),
     ("caa_global", "caa", {"caa_gate": "global"}),
 ]
-# The issue's windows 16..256, plus 1, 2, 4 and 8: at this budget a 16-byte window already
+# The study's planned windows 16..256, plus 1, 2, 4 and 8: at this budget a 16-byte window already
 # matches `full` (seed 0: 2.294 vs 2.316), so the smaller ones find where a difference appears.
 # A window W sees keys i-W..i, so with 2 layers a prediction can draw on 2W+1 bytes.
 WINDOWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -332,7 +332,7 @@ def unavailable(attn, flags):
 
     from attention import VARIANTS
     from model import PRESETS, Model, ModelConfig
-    from train import TrainConfig
+    from config import TrainConfig
 
     if attn not in VARIANTS:
         return f"--attn={attn} is not in this checkout's attention.py"
@@ -652,7 +652,7 @@ def _cell(c, absolute=False):
 
 
 def position_section(stats, link):
-    """RESULTS.md's loss by position and bits per byte (issue 21 item 5)."""
+    """RESULTS.md's loss by position and bits per byte."""
     T = TEXT["seq_len"]
     ranges = position_ranges(T)
     pos = position_stats(stats)

@@ -10,6 +10,7 @@ import zipfile
 import pytest
 import torch
 
+import config
 import sample
 import train
 from conftest import ROOT
@@ -103,6 +104,6 @@ def test_cuda_without_cuda_says_cuda_is_unavailable(tmp_path, capsys, monkeypatc
     assert "--device=cuda, but CUDA is not available" in err and not (tmp_path / "run").exists()
     # a CPU-only build says to install the CUDA one; a CUDA build that sees no GPU says to look for it
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert "CPU-only build; install the CUDA build" in train.cuda_missing()
+    assert "CPU-only build; install the CUDA build" in config.cuda_missing()
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert "sees no GPU; check `nvidia-smi` and CUDA_VISIBLE_DEVICES" in train.cuda_missing()
+    assert "sees no GPU; check `nvidia-smi` and CUDA_VISIBLE_DEVICES" in config.cuda_missing()

@@ -280,7 +280,7 @@ def test_sweep_runs_every_configuration_with_paired_seeds(tmp_path):
 def test_every_cost_command_passes_train_pys_checks():
     """A cost run is COST_STEPS steps: a flag bounded by max_steps (the indexer's dense
     warm-up, 50 steps by default) must fit, or the sweep stops at that run."""
-    from train import TrainConfig
+    from config import TrainConfig
 
     for name, attn, flags in sweep.TEXT_CONFIGS:
         cmd = sweep.cost_command(attn, flags, Path("o"), Path("d"), "fused")

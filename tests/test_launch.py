@@ -17,6 +17,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+import config
 import data
 import train
 from conftest import ROOT
@@ -99,7 +100,7 @@ def test_cpu_dry_run_plans_the_cpu_default_and_presets_win(capsys, tmp_path):
 
 
 def test_data_budget_warning_names_epochs_and_the_shards_to_fetch(capsys, shards, tmp_path):
-    step_tokens = train.TRAIN_PRESETS["cpu"]["total_batch_tokens"]
+    step_tokens = config.TRAIN_PRESETS["cpu"]["total_batch_tokens"]
     found = sum(len(data.load_shard(p)) for p in data.find_shards(shards, "train"))  # 179,968
     text = plan(capsys, "--device=cpu", f"--data_dir={shards}", "--max_steps=1000", out=tmp_path)
     assert f"{found:,} training tokens found" in text
@@ -119,7 +120,7 @@ def test_the_byte_command_the_plan_names_makes_enough_tokens(capsys, tmp_path, m
     text = plan(capsys, "--device=cpu", f"--data_dir={tmp_path / 'none'}", f"--max_steps={max_steps}", out=tmp_path)
     max_tokens = int(re.search(r"--tokenizer=byte --source=fineweb \S+ --max_tokens=(\d+)", text).group(1))
     val = min(10_000_000, max(max_tokens // 10, 1))  # data.py's default val shard
-    assert max_tokens - val >= max_steps * train.TRAIN_PRESETS["cpu"]["total_batch_tokens"], text
+    assert max_tokens - val >= max_steps * config.TRAIN_PRESETS["cpu"]["total_batch_tokens"], text
 
 
 def test_defaults_fit_any_world_size_and_typed_values_do_not(capsys, monkeypatch, tmp_path):
@@ -145,11 +146,11 @@ WINDOWED = [["--attn=local"], ["--attn=dsa"], ["--attn=dsa", "--dsa_window=fixed
             ["--attn=caa"], ["--attn=combiner"], ["--attn=nsa"], ["--attn=moba"]]
 
 
-@pytest.mark.parametrize("preset", list(train.TRAIN_PRESETS))
+@pytest.mark.parametrize("preset", list(config.TRAIN_PRESETS))
 def test_every_presets_windows_are_shorter_than_its_sequence(preset, tmp_path):
     for flags in WINDOWED:
-        tc, mc, _ = train.parse_args(["--device=cpu", f"--preset={preset}", f"--data_dir={tmp_path}", *flags])
-        line, warning = train.window_plan(mc, tc.seq_len)
+        tc, mc, _ = config.parse_args(["--device=cpu", f"--preset={preset}", f"--data_dir={tmp_path}", *flags])
+        line, warning = config.window_plan(mc, tc.seq_len)
         assert warning is None and f"of a {tc.seq_len}-token sequence" in line, (preset, flags, line, warning)
     assert mc.window < tc.seq_len - 1 and mc.dsa_threshold < tc.seq_len
 
@@ -180,7 +181,7 @@ def test_local_differs_from_full_under_the_cpu_preset(tmp_path):
     """The CPU examples' `local` is not full attention: with the same weights, logits agree up
     to position `window` (every key is within reach) and differ after it."""
     from model import Model
-    tc, full_cfg, _ = train.parse_args(["--device=cpu", f"--data_dir={tmp_path}", "--vocab_size=256"])
+    tc, full_cfg, _ = config.parse_args(["--device=cpu", f"--data_dir={tmp_path}", "--vocab_size=256"])
     local_cfg = replace(full_cfg, attn="local")
     torch.manual_seed(0)
     full = Model(full_cfg).eval()
@@ -199,7 +200,7 @@ def test_local_differs_from_full_under_the_cpu_preset(tmp_path):
 def used_run_folder(path, **model_changes):
     """A run folder as a finished `python train.py` leaves it (ckpt.pt, config.json, log.jsonl);
     the dry run reads only the checkpoint's presence and config.json's model config."""
-    tc, mc, _ = train.parse_args(["--device=cpu", f"--data_dir={path / 'no_data'}"])
+    tc, mc, _ = config.parse_args(["--device=cpu", f"--data_dir={path / 'no_data'}"])
     path.mkdir(parents=True)
     (path / "ckpt.pt").write_bytes(b"a checkpoint")
     (path / "config.json").write_text(json.dumps({"model": {**asdict(mc), **model_changes}}))
@@ -296,7 +297,7 @@ def test_torchrun_restart_after_a_killed_worker_resumes_exactly(shards, tmp_path
     run([*TORCHRUN, "--nproc_per_node=2", *args, f"--out_dir={straight}"], timeout=600)
 
     # --max-restarts=1: one restart must resume (a restarted group once read the dead rank's
-    # address from torchrun's store and failed to connect: train.init_process_group)
+    # address from torchrun's store and failed to connect: config.init_process_group)
     proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", *args, f"--out_dir={killed}"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -300,16 +300,16 @@ def test_caa_with_its_gate_forced_is_that_branch(forced, branch):
 
 
 def test_each_ddp_rank_reads_different_sequences(tmp_path):
-    """train.open_data on ranks 0 and 1 of 2: no training or validation sequence is read by
+    """config.open_data on ranks 0 and 1 of 2: no training or validation sequence is read by
     both, and together they read what one process reads in two micro-steps."""
-    import train
+    import config
 
     write_shard(tmp_path / "n_train_000001.bin", np.arange(0, 2001, dtype=np.uint16))
     write_shard(tmp_path / "n_val_000000.bin", np.arange(30000, 32001, dtype=np.uint16))
-    tc = train.TrainConfig(data_dir=str(tmp_path), batch_size=3, seq_len=16, val_tokens=800, seed=4)
+    tc = config.TrainConfig(data_dir=str(tmp_path), batch_size=3, seq_len=16, val_tokens=800, seed=4)
     mc = None  # the model config is read only to name a missing shards' command
-    loaders = [train.open_data(tc, mc, dict(rank=r, world=2)) for r in range(2)]
-    single, _ = train.open_data(tc, mc, dict(rank=0, world=1))
+    loaders = [config.open_data(tc, mc, dict(rank=r, world=2)) for r in range(2)]
+    single, _ = config.open_data(tc, mc, dict(rank=0, world=1))
     for _ in range(5):
         starts = [set(loader.next_batch()[0][:, 0].tolist()) for loader, _ in loaders]
         assert len(starts[0]) == len(starts[1]) == 3 and not starts[0] & starts[1], starts

@@ -1,4 +1,4 @@
-"""train.preflight: the chosen attention path checked against the reference before the first
+"""config.preflight: the chosen attention path checked against the reference before the first
 step, with a fallback (or a stop, for a typed --kernel) where it fails. On a GPU it runs at
 startup; here on CPU it is forced on, with paths that really fail on a CPU (FlexAttention has
 no backward for q, k, v) or that are made to compute something wrong."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import attention
+import config
 import kernels
-import train
 from model import PRESETS, Model, ModelConfig
 
 RUN = dict(device="cpu", dtype="float32", autocast=nullcontext(), ddp=False, master=True)
@@ -32,7 +32,7 @@ def test_a_path_that_fails_falls_back_and_says_why_in_one_line(attn, capsys):
     model, mc, x = setup(attn, "flex", nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=4, nsa_topk=3, nsa_window=4,
                          index_topk=8, index_head_dim=8, caa_window_max=12)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert train.preflight(model, x, mc, RUN, typed=set()) == "blockwise"
+    assert config.preflight(model, x, mc, RUN, typed=set()) == "blockwise"
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("preflight")]
     assert len(out) == 1 and out[0].startswith("preflight: kernel=flex") and "failed" in out[0]
     assert "this run uses kernel=blockwise" in out[0]
@@ -44,7 +44,7 @@ def test_a_path_that_fails_falls_back_and_says_why_in_one_line(attn, capsys):
 def test_a_typed_kernel_that_fails_stops_the_run(capsys):
     model, mc, x = setup("local", "flex")
     with pytest.raises(SystemExit) as stop:
-        train.preflight(model, x, mc, RUN, typed={"kernel"})
+        config.preflight(model, x, mc, RUN, typed={"kernel"})
     assert stop.value.code == 1
     err = capsys.readouterr().err
     assert "preflight: kernel=flex" in err and "failed" in err and "--preflight=off" in err
@@ -57,7 +57,7 @@ def test_a_path_that_computes_wrong_is_caught_by_the_comparison(monkeypatch, cap
     real_ops = attention.ops
     monkeypatch.setattr(attention, "ops", lambda kernel, device: real_ops(kernel, device) if kernel == "ref" else wrong)
     model, mc, x = setup("local", "fused")
-    assert train.preflight(model, x, mc, RUN, typed=set()) == "ref"
+    assert config.preflight(model, x, mc, RUN, typed=set()) == "ref"
     out = capsys.readouterr().out
     assert "relative error" in out and "this run uses kernel=ref" in out
 
@@ -65,7 +65,7 @@ def test_a_path_that_computes_wrong_is_caught_by_the_comparison(monkeypatch, cap
 @pytest.mark.parametrize("attn", ["full", "local", "asga", "combiner", "moba"])
 def test_a_working_path_is_kept_and_the_check_is_reported(attn, capsys):
     model, mc, x = setup(attn, "fused", window=16, moba_block=8, moba_topk=2)
-    assert train.preflight(model, x, mc, RUN, typed=set()) == "fused"
+    assert config.preflight(model, x, mc, RUN, typed=set()) == "fused"
     out = capsys.readouterr().out
     assert out.startswith("preflight: kernel=fused") and "matches the reference" in out
     assert kernels_in_use(model) == {"fused"}
