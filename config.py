@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -50,7 +51,8 @@ import torch.distributed as dist
 import data
 import flops
 from attention import VARIANTS, attention_path
-from model import PRESETS, Model, ModelConfig, set_kernel
+from model import (HF_SIZES, NEW, PRESETS, CheckpointError, Model, ModelConfig, hf_folder, hf_model_config, hf_parameters,
+                   load_hf, set_kernel)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -92,6 +94,10 @@ class TrainConfig:
     # indexer ([DS32]): the first steps attend densely while the lightning indexer learns
     indexer_warmup: int = 50  # steps of dense attention (the paper's dense warm-up); 0: sparse from step 1
     indexer_lr: float = 1e-3  # the indexer's peak lr (the paper's warm-up lr), same schedule shape
+    # a pretrained start: a Hugging Face Qwen3 folder or Hub id; its config.json gives the sizes,
+    # --attn and the variant's settings the rest (model.load_hf)
+    init_from: str = ""
+    warmup_new_steps: int = 0  # with init_from: the first N steps train the variant's new parameters alone
 
 
 # Named setups; a preset's values replace the TrainConfig defaults above.
@@ -243,7 +249,13 @@ def parse_args(argv, doc=""):
             fail(f"--{key}={getattr(tc, key)}: must be at least 1")
     model_keys = {k: v for k, v in given.items() if k in MODEL_DEFAULTS}
     model_keys.update({k: v for k, v in train.items() if k in MODEL_DEFAULTS and k not in given})
-    mc = model_config(tc, model_keys)
+    if tc.init_from:
+        mc = pretrained_config(tc, model_keys, {k for k in given if k in MODEL_DEFAULTS})
+        tc = pretrained_stages(tc, mc, given)
+    else:
+        if "warmup_new_steps" in given and tc.warmup_new_steps:
+            fail(f"--warmup_new_steps={tc.warmup_new_steps} needs --init_from: from scratch every parameter is new")
+        mc = model_config(tc, model_keys)
     check_budget(mc, tc.seq_len)
     if tc.eval_seqs < 0:
         fail(f"--eval_seqs={tc.eval_seqs}: must be >= 0 (0 turns loss by position off)")
@@ -251,6 +263,110 @@ def parse_args(argv, doc=""):
         fail(f"--indexer_warmup={tc.indexer_warmup}: must be in 0 .. max_steps={tc.max_steps} (steps of dense "
              f"attention before the indexer's selection takes over)")
     return tc, mc, set(given)
+
+
+def pretrained_config(tc, model_keys, typed):
+    """The ModelConfig of --init_from: the sizes from its config.json, the vocabulary exactly as
+    there, attn and the variant's settings from the preset and the command line (a size typed on
+    the command line is refused: config.json owns it). The data folder, when it holds shards,
+    must be of the checkpoint's own tokenizer."""
+    settings = {k: v for k, v in model_keys.items() if k in typed or k not in HF_OWNED}
+    try:
+        mc = hf_model_config(tc.init_from, **settings)
+        tok = pretrained_tokenizer(tc.init_from, mc)
+        if os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE)) or train_tokens_found(tc.data_dir)[0]:
+            data.check_tokenizer(tc.data_dir, tok)
+    except (CheckpointError, data.ShardError) as e:
+        fail(str(e), code=1)
+    except ValueError as e:  # a size config.json owns, an unknown setting
+        fail(f"--init_from={tc.init_from}: {e}")
+    return mc
+
+
+HF_OWNED = set(HF_SIZES) | {"rope_theta"}  # ModelConfig fields a pretrained checkpoint's config.json sets
+
+
+# the model keys sample.py and evaluate.py take with --init_from: attn and the variant's settings
+VARIANT_DEFAULTS = {k: v for k, v in MODEL_DEFAULTS.items() if k not in HF_OWNED}
+
+
+def load_pretrained(path, device, settings, program):
+    """--init_from for sample.py and evaluate.py -> (model in eval mode on device, its
+    data.TextTokenizer, model.load_hf's summary); bad input is one line and exit 1 (2 for a
+    setting the command line gets wrong)."""
+    try:
+        mc = hf_model_config(path, **settings)
+        tok = pretrained_tokenizer(path, mc)
+        model, summary = load_hf(path, device, **settings)
+    except CheckpointError as e:
+        fail(f"{program}: {e}", code=1)
+    except ValueError as e:  # a size config.json owns, an unknown setting
+        fail(f"{program}: --init_from={path}: {e}")
+    return model, tok, summary
+
+
+def pretrained_tokenizer(path, mc):
+    """The tokenizer of a Hugging Face checkpoint (its tokenizer.json; a byte model's export holds
+    the byte tokenizer's) -> data.TextTokenizer, checked to fit the embedding. CheckpointError
+    when the folder has none or it does not fit."""
+    folder = hf_folder(path, weights=False)
+    file = os.path.join(folder, data.TOKENIZER_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{folder}: no tokenizer.json, so the text its token ids stand for is unknown; "
+                              f"copy the checkpoint's tokenizer.json into the folder")
+    try:
+        tok = data.load_tokenizer(file)
+        tok.check_fits(mc.vocab_size, f"{folder}'s embedding (config.json's vocab_size)")
+    except data.ShardError as e:
+        raise CheckpointError(str(e)) from None
+    return tok
+
+
+def pretrained_stages(tc, mc, given):
+    """--warmup_new_steps with --init_from. indexer follows [DS32] unless told otherwise: its
+    dense warm-up (--indexer_warmup) is also the stage in which only the indexer trains, so
+    either flag sets the other."""
+    if mc.attn == "indexer":
+        if "warmup_new_steps" not in given:
+            tc = replace(tc, warmup_new_steps=tc.indexer_warmup)
+        elif "indexer_warmup" not in given:
+            tc = replace(tc, indexer_warmup=tc.warmup_new_steps)
+    if not 0 <= tc.warmup_new_steps <= tc.max_steps:
+        fail(f"--warmup_new_steps={tc.warmup_new_steps}: must be in 0 .. max_steps={tc.max_steps}")
+    if tc.warmup_new_steps:
+        with torch.device("meta"):
+            new = [name for name, source in hf_parameters(Model(mc)).items() if source == NEW]
+        if not new:
+            fail(f"--warmup_new_steps={tc.warmup_new_steps}: attn={mc.attn} has no new parameters (every one is "
+                 f"{tc.init_from}'s), so nothing would train; drop it")
+    return tc
+
+
+def init_model(tc, mc, device, resumed):
+    """The model train.py trains: --init_from's weights (a fresh start from a pretrained
+    checkpoint; the variant's new parameters get their init_gates values), else model.py's
+    initialisation. A resumed run's checkpoint holds every weight, so it starts from the latter."""
+    if not tc.init_from or resumed:
+        return Model(mc).to(device)
+    try:
+        model, summary = load_hf(tc.init_from, device, **{k: getattr(mc, k) for k in MODEL_DEFAULTS if k not in HF_OWNED})
+    except (CheckpointError, ValueError) as e:
+        fail(str(e), code=1)
+    if model.cfg != mc:  # the folder changed between the plan and now
+        fail(f"{tc.init_from}: its config.json changed while this run started; start it again", code=1)
+    return model.train()
+
+
+def new_parameters(model):
+    """{name: parameter} of a model's parameters that a pretrained Qwen3 does not hold (the
+    variant's own: model.hf_parameters)."""
+    sources = hf_parameters(model)
+    return {name: p for name, p in model.named_parameters() if sources[name] == NEW}
+
+
+def fold_layers(names):
+    """Parameter names with layer numbers folded into '*', in order, each once."""
+    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))
 
 
 def check_budget(mc, seq_len):
@@ -465,6 +581,15 @@ def shards_command(tc, mc, local=False):
     local: from the user's own text files instead of a download."""
     recorded = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE))
     byte = (data.tokenizer_of(tc.data_dir)[0] if recorded else "byte" if mc.vocab_size <= 256 else "gpt2") == "byte"
+    if tc.init_from:  # shards of the checkpoint's own tokenizer
+        byte = pretrained_tokenizer(tc.init_from, mc).kind == "byte"
+        if not byte:
+            source = "'path/to/*.jsonl'" if local else "fineweb"
+            planned = tc.max_steps * tc.total_batch_tokens
+            total = planned + min(10_000_000, math.ceil(planned / 9))
+            folder = hf_folder(tc.init_from, weights=False)  # a Hub id: its cached folder
+            return (f"python data.py --tokenizer={folder} --source={source} --out_dir={tc.data_dir}"
+                    + ("" if local else f" --max_tokens={math.ceil(total / 1e6) * 1_000_000}"))
     if local:
         return f"python data.py {'--tokenizer=byte ' if byte else ''}--source='path/to/*.jsonl' --out_dir={tc.data_dir}"
     planned = tc.max_steps * tc.total_batch_tokens
@@ -491,10 +616,15 @@ def print_plan(tc, mc, run, accum, action):
     precision = ("bfloat16 autocast, float32 master weights" if run["dtype"] == "bfloat16" else "float32")
     if run["device"].startswith("cuda"):
         precision += ", TF32 matmuls"
+    model_line = (f"{tc.model} ({n_params / 1e6:.1f}M parameters)" if not tc.init_from else
+                  f"{tc.init_from} ({n_params / 1e6:.1f}M parameters: {mc.n_layer} layers, {mc.n_head} query "
+                  f"heads, {mc.n_kv_head} KV heads of {mc.head_dim}, d_model {mc.d_model}, vocab {mc.vocab_size}, "
+                  f"from its config.json)")
     lines = [
         f"device      {run['device']} x {run['world']} process(es)" + (" (dry run)" if tc.dry_run else ""),
         f"precision   {precision}",
-        f"model       {tc.model} ({n_params / 1e6:.1f}M parameters), preset {tc.preset}",
+        f"model       {model_line}, preset {tc.preset}",
+        *(init_plan(tc, meta_model) if tc.init_from else []),
         f"flops       {flops.describe(meta_model, tc.seq_len)} (flops.py; MFU in the log on A100/H100/H200)",
         f"attention   {mc.attn}, {attention_path(mc, run['device'])}",
         f"window      {window_line}",
@@ -519,6 +649,27 @@ def print_plan(tc, mc, run, accum, action):
         print(f"warning: the run plans {planned:,} tokens but {tc.data_dir} holds {found:,} "
               f"training tokens, so it repeats the data ({planned / found:.2f} epochs); to see "
               f"each token once: {make}", flush=True)
+
+
+def init_plan(tc, meta_model):
+    """The plan's lines for --init_from: what comes from the checkpoint, what is new, and which
+    parameters train in each stage (names with their layer numbers folded into '*')."""
+    new = new_parameters(meta_model)
+    total = meta_model.num_params()
+    n_new = sum(p.numel() for p in new.values())
+    lines = [f"init        {len(hf_parameters(meta_model)) - len(new)} tensors from {tc.init_from}"
+             + (f"; new (initialised by the variant's init_gates): {', '.join(fold_layers(new))} "
+                f"({len(new)} tensors, {n_new:,} parameters)" if new else "; no new parameters")]
+    indexer = meta_model.cfg.attn == "indexer"
+    kl = ", the indexer by its KL loss alone" if indexer else ""
+    if tc.warmup_new_steps:
+        lines.append(f"stages      steps 1-{tc.warmup_new_steps}: the new parameters alone ({n_new:,}; every pretrained "
+                     f"one frozen){', dense attention ([DS32] warm-up)' if indexer and tc.indexer_warmup else ''}{kl}; "
+                     f"steps {tc.warmup_new_steps + 1}-{tc.max_steps}: all {total:,} parameters{kl}")
+    else:
+        lines.append(f"stages      all {total:,} parameters train from step 1 (--warmup_new_steps=N trains the new "
+                     f"ones alone first)" if new else f"stages      all {total:,} parameters train from step 1")
+    return lines
 
 
 def plan_run(tc, mc, run, accum, note):

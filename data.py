@@ -257,6 +257,32 @@ def byte_level_alphabet():
     return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
 
 
+def byte_tokenizer_json():
+    """The byte tokenizer as a Hugging Face tokenizer file (what model.save_hf writes beside a
+    byte model, so that transformers' AutoTokenizer encodes text for it): a byte-level BPE
+    without merges, id b = byte b, which `tokenizers` encodes and decodes exactly as
+    encode_bytes and decode_bytes do. load_tokenizer reads it back as `byte` (is_byte_file)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # lazy: only files need it
+
+    alphabet = byte_level_alphabet()
+    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def is_byte_file(parsed):
+    """Whether a parsed tokenizer file is byte_tokenizer_json's (by content, not by its text,
+    so a file re-saved by another version of `tokenizers` is still recognised): no merges, the
+    256 byte characters as ids 0..255, byte-level pre-tokenizer and decoder, nothing added."""
+    model = parsed.get("model") or {}
+    alphabet = byte_level_alphabet()
+    return (model.get("type") == "BPE" and not model.get("merges") and not parsed.get("added_tokens")
+            and not parsed.get("normalizer") and model.get("vocab") == {alphabet[b]: b for b in range(256)}
+            and (parsed.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+            and (parsed.get("decoder") or {}).get("type") == "ByteLevel")
+
+
 def _gpt2():
     import tiktoken  # lazy: GPT-2's BPE files are downloaded on first use (tiktoken keeps them)
     return tiktoken.get_encoding("gpt2")
@@ -324,6 +350,8 @@ def load_tokenizer(spec):
         raise ShardError(f"{path}: not JSON ({e}); a tokenizer file is the tokenizer.json of a Hugging "
                          f"Face checkpoint") from None
     if isinstance(parsed, dict) and "model" in parsed:
+        if is_byte_file(parsed):  # a byte model's export (model.save_hf): the built-in byte tokenizer
+            return load_tokenizer("byte")
         return _tokenizer_file(text, _file_label(path), path)
     if not (isinstance(parsed, dict) and "name" in parsed):
         raise ShardError(f"{path}: neither a Hugging Face tokenizer file (no 'model') nor data.py's "

@@ -102,73 +102,60 @@ def position_buckets(T):
 def token_bytes(tokenizer, vocab_size):
     """(vocab_size,) int64: the UTF-8 bytes of each token id's text, 0 for the document
     separator and for ids the tokenizer does not use (the vocabulary's padding); None for
-    tokens without text (the recall probe's)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    if tokenizer == "byte":
-        counts[:256] = 1
-        counts[data.BYTE_EOT] = 0
-    elif tokenizer == "gpt2":
-        import tiktoken
-
-        enc = tiktoken.get_encoding("gpt2")
-        n = min(vocab_size, enc.n_vocab)
-        counts[:n] = [len(enc.decode_single_token_bytes(i)) for i in range(n)]
-        if data.EOT < vocab_size:
-            counts[data.EOT] = 0
-    else:
+    tokens without text (the recall probe's). tokenizer: what data.load_tokenizer reads (a
+    name, a checkpoint's spec, a tokenizer.json)."""
+    try:
+        tok = data.load_tokenizer(tokenizer)
+    except data.NoText:
         return None
-    return counts
+    return tok.token_bytes(vocab_size)
 
 
 class TextTokenizer(NamedTuple):
     """A checkpoint's tokenizer as the text evaluations use it. `problem(text)` says why a text
-    cannot be encoded (None when it can); `encode` refuses such text with an EvalError.
-    Adding a tokenizer is one more branch in text_tokenizer returning one of these."""
+    cannot be encoded (None when it can); `encode` refuses such text with an EvalError."""
     name: str
     encode: Callable[[str], list]  # text -> token ids
     decode: Callable[[list], str]  # token ids -> text
     separator: int  # the id written before every training document (data.py): the context of an empty prompt
     problem: Callable[[str], Optional[str]]
+    n_ids: int  # the ids it writes: the model must embed as many
 
 
 def text_tokenizer(tokenizer):
-    """The TextTokenizer of a checkpoint's recorded tokenizer name ('gpt2' or 'byte').
+    """The TextTokenizer of a checkpoint's tokenizer (anything data.load_tokenizer reads: 'gpt2',
+    'byte', a checkpoint's spec, a tokenizer.json).
 
     Refused text (`problem`): the document separator's own text (GPT-2's "<|endoftext|>", the
     byte tokenizer's NUL) would end the document inside the text, which training never shows
     a model; and text that is not valid Unicode (a lone surrogate) has no UTF-8 bytes."""
-    def problem_with(separator_text):
-        def problem(text):
-            if separator_text in text:
-                return f"the text holds {separator_text!r}, the {tokenizer} tokenizer's document separator"
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return f"the text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at character {e.start})"
-            return None
-        return problem
+    try:
+        tok = data.load_tokenizer(tokenizer)
+    except data.NoText:
+        name = tokenizer if isinstance(tokenizer, str) else tokenizer.get("name")
+        raise EvalError(f"the checkpoint was trained on {name!r} tokens, which have no text to render a task in; "
+                        f"text evaluations (HellaSwag, lm-evaluation-harness tasks) need a checkpoint trained on "
+                        f"text (gpt2, byte or a tokenizer file's shards)") from None
+    except data.ShardError as e:
+        raise EvalError(str(e)) from None
+    separator_text = tok.decode([tok.eot])
 
-    def refusing(encode, problem):
-        def checked(text):
-            why = problem(text)
-            if why:
-                raise EvalError(why)
-            return encode(text)
-        return checked
+    def problem(text):
+        if separator_text in text:
+            return f"the text holds {separator_text!r}, the {tok.name} tokenizer's document separator"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"the text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at character {e.start})"
+        return None
 
-    if tokenizer == "byte":
-        problem = problem_with("\0")
-        return TextTokenizer("byte", refusing(lambda text: data.encode_bytes(text).tolist(), problem),
-                             lambda ids: data.decode_bytes(ids), data.BYTE_EOT, problem)
-    if tokenizer == "gpt2":
-        import tiktoken
+    def encode(text):
+        why = problem(text)
+        if why:
+            raise EvalError(why)
+        return tok.encode(text)
 
-        enc = tiktoken.get_encoding("gpt2")
-        problem = problem_with("<|endoftext|>")
-        return TextTokenizer("gpt2", refusing(enc.encode_ordinary, problem), enc.decode, data.EOT, problem)
-    raise EvalError(f"the checkpoint was trained on {tokenizer!r} tokens, which have no text to render a task in; "
-                    f"text evaluations (HellaSwag, lm-evaluation-harness tasks) need a checkpoint trained on gpt2 "
-                    f"or byte shards")
+    return TextTokenizer(tok.name, encode, tok.decode, tok.eot, problem, tok.n_ids)
 
 
 def encoder(tokenizer):
@@ -243,14 +230,16 @@ def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=
     """loss_by_position at each factor x trained_len on data_dir's val shards -> a list of
     its results (skipped lengths included, with why), after printing one line per length."""
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
-    n_ids = data.TOKENIZERS.get(tokenizer, (0,))[0]
     try:
-        if vocab and vocab < n_ids:  # e.g. byte shards in a folder without tokenizer.json
-            raise EvalError(f"the model embeds {vocab} token ids, fewer than the {n_ids} of the {tokenizer} tokens "
+        tok = data.load_tokenizer(tokenizer)
+        if vocab and vocab < tok.n_ids:  # e.g. byte shards in a folder without tokenizer.json
+            raise EvalError(f"the model embeds {vocab} token ids, fewer than the {tok.n_ids} of the {tok.name} tokens "
                             f"that {data_dir} is taken to hold (no tokenizer.json there?); record the folder's "
                             f"tokenizer with data.write_tokenizer (`python data.py` writes it)")
-        bytes_per_token = token_bytes(tokenizer, vocab) if vocab else None
-    except EvalError as e:
+        bytes_per_token = tok.token_bytes(vocab) if vocab else None
+    except data.NoText:  # ids without text (the recall probe's): no bytes to count
+        bytes_per_token = None
+    except (EvalError, data.ShardError) as e:
         bytes_per_token = None
         log(f"bits per byte: skipped: {e}")
     except OSError as e:  # tiktoken downloads GPT-2's BPE files on first use: offline, it cannot
@@ -285,6 +274,74 @@ def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=
         log("  by position: " + " | ".join(f"{b['first']}{'' if b['first'] == b['last'] else '-' + str(b['last'])} "
                                           f"{b['mean']:.3f}±{b['ci95']:.3f}" for b in r["buckets"]))
     return results
+
+
+# ----------------------------------------------------------------------------- recall in text
+
+RECALL_KEYS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # 52 keys: half the lags exceed 64
+RECALL_VALUES = "0123456789"  # chance 1/10
+
+
+@torch.no_grad()
+def recall_probe(model, tokenizer, seq_len, window, n_seq=64, seed=0, batch_size=8, device="cpu",
+                 autocast=nullcontext()):
+    """Associative recall in a text model's own tokens, training-free: can the model copy a
+    value it saw far back? The sequences are MQAR's (data.recall_sequences, the generator of
+    experiments/recall.py): each draws a fresh map key -> value and is a stream of `key value`
+    pairs, keys at random, so a key recurs at many distances; at a recurring key the model
+    should predict the value seen after its previous occurrence, which nothing but that
+    occurrence tells (an induction-head copy, as the needle tasks of The Sparse Frontier,
+    Nawrot et al. 2025, ask of a pretrained model). Keys are letters and values digits, each
+    one token of the tokenizer (a byte for the byte tokenizer), written without spaces
+    ("a3k7a3..."), after the document separator. A prediction is the most likely of the 10
+    digits at the query (chance 0.1), so a model that has not learnt to expect a digit there
+    still shows what it retrieves.
+
+    lag: query position minus the position of the answer's earlier token; a window W sees it
+    iff lag <= W. Returns {"seq_len", "n_seq", "n_queries", "chance", "accuracy", "window",
+    "buckets": [{"lo", "hi", "n", "acc"}] for lags lo < lag <= hi}."""
+    tok = data.load_tokenizer(tokenizer)  # NoText: ids without text have no letters to write
+    ids = []
+    for ch in RECALL_KEYS + RECALL_VALUES:
+        piece = tok.encode(ch)
+        if len(piece) != 1:
+            raise EvalError(f"the {tok.name} tokenizer writes {ch!r} as {len(piece)} tokens; the recall probe "
+                            f"needs a token per letter and digit")
+        ids += piece
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
+    if vocab is not None and max(ids + [tok.eot]) >= vocab:
+        raise EvalError(f"the {tok.name} tokenizer's letters and digits are beyond the model's {vocab} ids")
+    n_keys, n_values = len(RECALL_KEYS), len(RECALL_VALUES)
+    raw, q = data.recall_sequences(n_seq, seq_len + seq_len % 2, n_keys, n_values, seed)  # ids: keys, then values
+    table = np.array(ids, dtype=np.int64)
+    x = np.concatenate([np.full((n_seq, 1), tok.eot), table[raw.astype(np.int64)][:, : seq_len - 1]], axis=1)
+    keep = q["pos"] + 1 < seq_len  # the logits at input index pos + 1 (the key) predict the answer
+    q = {k: v[keep] for k, v in q.items()}
+    x = torch.from_numpy(x)  # (N, seq_len)
+    value_ids = torch.tensor(ids[n_keys:], device=device)
+    chosen = []
+    for b in range(0, n_seq, batch_size):
+        with autocast:
+            logits = model(x[b: b + batch_size].to(device))[0]  # (B, T, V)
+        chosen.append(logits[..., value_ids].argmax(-1).cpu())  # (B, T): the most likely digit
+    chosen = torch.cat(chosen).numpy()
+    correct = chosen[q["seq"], q["pos"] + 1] == q["answer"] - n_keys
+    lag = q["distance"] - 1
+    buckets = []
+    for lo, hi in ((0, window), (window, 2 * window), (2 * window, None)):
+        sel = (lag > lo) & (lag <= hi if hi is not None else True)
+        buckets.append({"lo": lo, "hi": hi, "n": int(sel.sum()),
+                        "acc": float(correct[sel].mean()) if sel.any() else None})
+    return {"seq_len": seq_len, "n_seq": n_seq, "n_queries": int(len(correct)), "chance": 1 / n_values,
+            "accuracy": float(correct.mean()), "window": window, "buckets": buckets}
+
+
+def describe_recall(r):
+    """One line of a recall_probe result."""
+    cells = [f"lag {b['lo']}-{b['hi'] if b['hi'] is not None else ''}: "
+             + (f"{b['acc']:.3f} (n={b['n']})" if b["acc"] is not None else "none") for b in r["buckets"]]
+    return (f"recall at {r['seq_len']} tokens: {r['accuracy']:.3f} of {r['n_queries']} queries (chance "
+            f"{r['chance']:.2f}); " + " | ".join(cells))
 
 
 # ----------------------------------------------------------------------------- HellaSwag
@@ -387,11 +444,12 @@ def hellaswag(model, items, tokenizer, device="cpu", autocast=nullcontext(), max
     """acc and acc_norm of `model` on `items` (read_items); this rank scores items rank,
     rank + world, ...; the counts are summed over ranks (all ranks must call it).
     Returns {"items", "acc", "acc_norm", "contexts_cut", "chance"}."""
-    encode = encoder(tokenizer)
+    text = text_tokenizer(tokenizer)
+    encode = text.encode
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
-    top = data.TOKENIZERS[tokenizer][0] - 1  # the largest id the tokenizer can write
+    top = text.n_ids - 1  # the largest id the tokenizer can write
     if vocab is not None and top >= vocab:  # checked before any rank starts, so all stop alike
-        raise EvalError(f"the {tokenizer} tokenizer writes ids up to {top}, beyond the model's vocabulary of "
+        raise EvalError(f"the {text.name} tokenizer writes ids up to {top}, beyond the model's vocabulary of "
                         f"{vocab}: the checkpoint cannot read the task's text")
     counts = torch.zeros(4, dtype=torch.float64)  # items, correct by sum, correct by mean, contexts cut
     mine = items[rank::world]
@@ -634,13 +692,15 @@ if model_registry is not None and HARNESS_MODEL not in model_registry:  # once, 
 
 def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=8, batch_size=4,
                    device="cpu", autocast=nullcontext(), hellaswag_on=False, hellaswag_dir="data/hellaswag",
-                   hellaswag_file="", hellaswag_len=0, hellaswag_max=0, rank=0, world=1, log=print):
+                   hellaswag_file="", hellaswag_len=0, hellaswag_max=0, recall_seqs=0, rank=0, world=1, log=print):
     """Every evaluation of one model -> the eval.json record (complete on rank 0). Loss by
-    position runs on rank 0 (a few sequences); HellaSwag on every rank. What cannot run is
-    recorded with its reason (one printed line) and the rest still runs. All ranks must call it."""
+    position and the recall probe (recall_seqs sequences at the trained length; 0: off) run on
+    rank 0 (a few sequences); HellaSwag on every rank. What cannot run is recorded with its
+    reason (one printed line) and the rest still runs. All ranks must call it."""
     was_training = model.training
     model.eval()
-    out = {"step": step, "tokenizer": tokenizer, "data_dir": data_dir, "trained_len": trained_len,
+    out = {"step": step, "tokenizer": tokenizer if isinstance(tokenizer, str) else tokenizer["name"],
+           "data_dir": data_dir, "trained_len": trained_len,
            "attn": getattr(getattr(model, "cfg", None), "attn", None)}
     if rank == 0 and n_seq > 0:
         try:
@@ -654,6 +714,15 @@ def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=
         except data.ShardError as e:
             out["positions_skipped"] = str(e)
             log(f"loss by position: skipped: {e}")
+    if rank == 0 and recall_seqs > 0:
+        try:
+            window = getattr(getattr(model, "cfg", None), "window", trained_len // 4)
+            out["recall"] = recall_probe(model, tokenizer, trained_len, window, recall_seqs, batch_size=batch_size,
+                                         device=device, autocast=autocast)
+            log(describe_recall(out["recall"]))
+        except (EvalError, data.ShardError) as e:
+            out["recall"] = {"skipped": str(e)}
+            log(f"recall: skipped: {e}")
     if hellaswag_on:
         try:
             out["hellaswag"] = hellaswag_on_ranks(model, tokenizer, hellaswag_dir, hellaswag_file, device, autocast,
@@ -668,9 +737,26 @@ def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=
     return out
 
 
-DEFAULTS = dict(ckpt="", data_dir="", out="", n_seq=64, batch_size=4, hellaswag=False,
-                hellaswag_dir="data/hellaswag", hellaswag_file="", hellaswag_len=0, hellaswag_max=0,
+DEFAULTS = dict(ckpt="", init_from="", data_dir="", out="", seq_len=0, n_seq=64, recall=0, batch_size=4,
+                hellaswag=False, hellaswag_dir="data/hellaswag", hellaswag_file="", hellaswag_len=0, hellaswag_max=0,
                 device="auto", kernel="")
+
+# What a variant's new parameters compute right after conversion from a dense checkpoint
+# (model.load_hf: they keep their init_gates values), as observed on this project's converted
+# byte model (experiments/pretrained.py): a training-free score of a variant whose start is not
+# neutral measures its untrained parameters as much as its sparsity.
+CONVERSION_START = {
+    "full": "the checkpoint's own attention",
+    "local": "no new parameters: the window over the pretrained weights, training-free",
+    "combiner": "no new parameters: blocks and max-pooled summaries of the pretrained keys, training-free",
+    "moba": "no new parameters: blocks chosen by the pretrained keys' block means, training-free",
+    "dsa": "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output",
+    "asga": "not neutral: its pair gate starts near s = 0.5, which halves every logit (a temperature of 2)",
+    "caa": "not neutral: its mix gate starts near 0.5, half local branch and half top-k branch",
+    "nsa": "not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 attention outputs",
+    "indexer": "not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random until "
+               "the indexer's KL warm-up trains it",
+}
 
 
 def harness_main(args):
@@ -698,17 +784,26 @@ def harness_main(args):
 
 
 def main(argv=None):
-    """The command line (module docstring); flags: DEFAULTS, as --key=value."""
-    from model import CheckpointError, load_checkpoint
-    from config import cuda_missing, fail, init_process_group, parse_flags, resolve_device
+    """The command line (module docstring); flags: DEFAULTS, as --key=value, and with
+    --init_from the variant's (config.VARIANT_DEFAULTS)."""
+    from model import CheckpointError, describe_hf_load, load_checkpoint
+    from config import VARIANT_DEFAULTS, cuda_missing, fail, init_process_group, load_pretrained, parse_flags, resolve_device
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["harness"]:
         return harness_main(argv[1:])
-    given, _ = parse_flags(argv, {"keys": DEFAULTS}, "evaluate.py", doc=__doc__)
+    variant_keys = {k: v for k, v in VARIANT_DEFAULTS.items() if k != "kernel"}
+    given, _ = parse_flags(argv, {"keys": DEFAULTS, "model keys (with --init_from)": variant_keys}, "evaluate.py",
+                           doc=__doc__)
     args = {**DEFAULTS, **given}
-    if not args["ckpt"]:
-        fail("evaluate.py: --ckpt=RUN_DIR_OR_FILE is required")
+    settings = {k: v for k, v in given.items() if k in variant_keys}
+    if bool(args["ckpt"]) == bool(args["init_from"]):
+        fail("evaluate.py: give --ckpt=RUN_DIR_OR_FILE (a train.py run) or --init_from=PATH (a Hugging Face Qwen3 "
+             "folder or Hub id), one of them")
+    if args["ckpt"] and settings:
+        fail(f"evaluate.py: --{next(iter(settings))} applies to --init_from; a checkpoint's model config is its own")
+    if args["init_from"] and not (args["data_dir"] and args["out"]):
+        fail("evaluate.py: --init_from needs --data_dir=SHARDS (of the checkpoint's tokenizer) and --out=FILE.json")
     ddp = "RANK" in os.environ
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(args["device"])
@@ -718,23 +813,43 @@ def main(argv=None):
         torch.cuda.set_device(device)
     if ddp:
         init_process_group("nccl" if device.startswith("cuda") else "gloo", rank, world)
-    try:
-        model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"] or None)
-    except CheckpointError as e:
-        fail(f"evaluate.py: {e}", code=1)
-    train_config = ckpt.get("train_config") or {}
-    trained_len = train_config.get("seq_len") or 1024
-    data_dir = args["data_dir"] or train_config.get("data_dir", "")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"{args['ckpt']}: attn={model.cfg.attn}, step {ckpt.get('step', '?')}, trained at {trained_len} tokens, "
-        f"tokenizer {ckpt.get('tokenizer', 'gpt2')}, val data {data_dir}")
-    record = evaluate_model(model, data_dir=data_dir, tokenizer=ckpt.get("tokenizer", "gpt2"), trained_len=trained_len,
+    if args["init_from"]:  # training-free: a pretrained checkpoint, converted to --attn
+        if args["kernel"]:
+            settings["kernel"] = args["kernel"]
+        model, tok, summary = load_pretrained(args["init_from"], device, settings, "evaluate.py")
+        try:
+            data.check_tokenizer(args["data_dir"], tok)
+        except data.ShardError as e:
+            fail(f"evaluate.py: {e}", code=1)
+        ckpt = {"step": 0, "tokenizer": tok.spec, "train_config": {"seq_len": args["seq_len"] or 1024}}
+        for line in describe_hf_load(summary):
+            log(line)
+        log(f"training-free: attn={model.cfg.attn}: {CONVERSION_START.get(model.cfg.attn, 'see attention.py')}")
+    else:
+        try:
+            model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"] or None)
+        except CheckpointError as e:
+            fail(f"evaluate.py: {e}", code=1)
+    train_config = ckpt.get("train_config") or {}
+    trained_len = args["seq_len"] or train_config.get("seq_len") or 1024
+    data_dir = args["data_dir"] or train_config.get("data_dir", "")
+    source = args["ckpt"] or args["init_from"]
+    tokenizer = ckpt.get("tokenizer", "gpt2")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    log(f"{source}: attn={model.cfg.attn}, step {ckpt.get('step', '?')}, "
+        f"{'evaluated' if args['init_from'] else 'trained'} at {trained_len} tokens, "
+        f"tokenizer {tokenizer if isinstance(tokenizer, str) else tokenizer['name']}, val data {data_dir}")
+    record = evaluate_model(model, data_dir=data_dir, tokenizer=tokenizer, trained_len=trained_len,
                             step=ckpt.get("step"), n_seq=args["n_seq"], batch_size=args["batch_size"], device=device,
                             autocast=autocast, hellaswag_on=args["hellaswag"], hellaswag_dir=args["hellaswag_dir"],
                             hellaswag_file=args["hellaswag_file"], hellaswag_len=args["hellaswag_len"],
-                            hellaswag_max=args["hellaswag_max"], rank=rank, world=world, log=log)
-    record["checkpoint"] = str(args["ckpt"])
+                            hellaswag_max=args["hellaswag_max"], recall_seqs=args["recall"], rank=rank, world=world,
+                            log=log)
+    record["checkpoint"] = str(source)
+    if args["init_from"]:
+        record["init_from"] = {"path": args["init_from"], "settings": settings, "start": CONVERSION_START.get(model.cfg.attn),
+                               "new": [line.strip() for line in describe_hf_load(summary)[1:]]}
     if ddp:
         dist.destroy_process_group()
     if rank == 0:

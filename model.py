@@ -596,11 +596,17 @@ def load_hf(path, device="cpu", **settings):
     if tied_head is not None and not torch.equal(tied_head.to(embed.dtype), embed):
         raise CheckpointError(f"{where}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
                               f"ties them (tie_word_embeddings); the checkpoint contradicts its config")
-    params = {name: NEW for name, _ in model.named_parameters()}
-    params.update({our_name(name): name for name in shapes})
     tokenizer = os.path.join(folder, "tokenizer.json")
-    summary = dict(folder=folder, tokenizer=tokenizer if os.path.isfile(tokenizer) else None, parameters=params)
+    summary = dict(folder=folder, tokenizer=tokenizer if os.path.isfile(tokenizer) else None,
+                   parameters=hf_parameters(model))
     return model.to(device).eval(), summary
+
+
+def hf_parameters(model):
+    """{parameter name: the Hugging Face tensor load_hf fills it from, or NEW (the variant's own)}
+    of a model of any variant (on the meta device too: a plan needs no weights)."""
+    pretrained = {our_name(name): name for name in hf_shapes(model.cfg)}
+    return {name: pretrained.get(name, NEW) for name, _ in model.named_parameters()}
 
 
 def describe_hf_load(summary):

@@ -35,17 +35,19 @@ from contextlib import nullcontext
 from dataclasses import asdict
 
 # config.py first: it sets this machine's OpenMP policy, which must happen before torch loads
-from config import fail, fit_batch, open_data, parse_args, plan_run, preflight, preflight_on, set_up
+from config import (fail, fit_batch, init_model, new_parameters, open_data, parse_args, plan_run, preflight,
+                    preflight_on, set_up)
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import flops
 from evaluate import evaluate_model  # the end-of-run evaluations (train.py's own evaluate() is the val loss)
-from model import CheckpointError, Model, read_checkpoint, save_checkpoint
+from model import CheckpointError, read_checkpoint, save_checkpoint
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -69,12 +71,15 @@ def main(argv=None):
     # -- data, model, optimizer, resume, log
     loader, val_loader = open_data(tc, mc, run)
     os.makedirs(tc.out_dir, exist_ok=True)
-    raw_model = Model(mc).to(device)  # unwrapped and uncompiled: its state dict goes in checkpoints
+    raw_model = init_model(tc, mc, device, resumed)  # unwrapped and uncompiled: its state dict goes in checkpoints
     optimizer = make_optimizer(raw_model, tc)
     step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
     gate_x = next(iter(val_loader))[0][: tc.gate_batch].to(device)  # (gate_batch, T), fixed
     if preflight_on(tc, device):
         preflight(raw_model, gate_x[:2], mc, run, typed)
+    # --warmup_new_steps: the first steps train the variant's new parameters alone (see set_trainable)
+    new_only = list(new_parameters(raw_model)) if step < tc.warmup_new_steps else None
+    set_trainable(raw_model, new_only)
     model = wrap(raw_model, gate_x, tc, run)
     eval_model = model.module if ddp else model
     runlog = open_log(tc, mc, run, accum, raw_model, step, resumed)
@@ -97,10 +102,16 @@ def main(argv=None):
     target_step = None
     last_step = min(tc.max_steps, tc.stop_step or tc.max_steps)
     if step == 0:
-        val, gates = evaluate(eval_model, raw_model, val_loader, gate_x, run)
-        log(f"step 0/{tc.max_steps} | val {val:.4f}")
-        runlog.write({"step": 0, "val": val, "gates": gates})
+        val, tail, gates = evaluate(eval_model, raw_model, val_loader, gate_x, run)
+        log(f"step 0/{tc.max_steps} | val {val:.4f} | tail {tail:.4f}")
+        runlog.write({"step": 0, "val": val, "val_tail": tail, "gates": gates})
     while step < last_step:
+        if new_only is not None and step >= tc.warmup_new_steps:  # the new parameters' warm-up is over
+            new_only = None
+            set_trainable(raw_model, None)
+            model = wrap(raw_model, gate_x, tc, run)  # DDP registers the parameters that need gradients
+            eval_model = model.module if ddp else model
+            log(f"step {step}: the new parameters' warm-up is over; all parameters train from step {step + 1}")
         t0 = time.time()
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
@@ -139,12 +150,14 @@ def main(argv=None):
         record.update(throughput(record["tok_s"], runlog.info, world))
         if dense is not None:  # the indexer's KL (this rank's), summed over layers, and its stage
             record.update(indexer_kl=kl_sum.item(), indexer_stage="dense" if dense else "sparse")
+        if tc.warmup_new_steps:
+            record["trained"] = "new" if new_only is not None else "all"
         # -- evaluation
         if step % tc.eval_every == 0 or step == tc.max_steps:
-            record["val"], record["gates"] = evaluate(eval_model, raw_model, val_loader, gate_x, run)
+            record["val"], record["val_tail"], record["gates"] = evaluate(eval_model, raw_model, val_loader, gate_x, run)
             if target_step is None and tc.target_loss > 0 and record["val"] <= tc.target_loss:
                 target_step = record["steps_to_target"] = step
-        val_text = f" | val {record['val']:.4f}" if "val" in record else ""
+        val_text = f" | val {record['val']:.4f} | tail {record['val_tail']:.4f}" if "val" in record else ""
         if "indexer_kl" in record:
             val_text += f" | kl {record['indexer_kl']:.4f} ({record['indexer_stage']})"
         kept = record.get("gates", {}).get("kept_mass")
@@ -192,8 +205,9 @@ def wrap(raw_model, gate_x, tc, run):
     if run["ddp"]:
         # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
         # once on the raw model rather than pay find_unused_parameters's search every step.
+        # Frozen parameters (--warmup_new_steps) are not DDP's: it registers those that need one.
         raw_model(gate_x[:1])[0].sum().backward()
-        unused = any(p.grad is None for p in raw_model.parameters())
+        unused = any(p.grad is None for p in raw_model.parameters() if p.requires_grad)
         raw_model.zero_grad(set_to_none=True)
         cuda = run["device"].startswith("cuda")
         model = DDP(model, device_ids=[torch.device(run["device"])] if cuda else None, find_unused_parameters=unused)
@@ -209,6 +223,22 @@ def set_dense_warmup(model, on):
     for attn in layers:
         attn.dense_warmup = on
     return on if layers else None
+
+
+def set_trainable(model, only=None):
+    """Freeze every parameter but those named in `only`, or unfreeze all (only=None): the
+    stages of --warmup_new_steps.
+
+    Freezing is requires_grad=False, not a parameter group at lr 0: a frozen parameter gets no
+    gradient, so AdamW skips it (no update, no weight decay: its weights stay bit-exact), it
+    has no optimizer state until its first step (which then starts AdamW's bias correction at
+    1, as for a fresh parameter), the clipped gradient norm is the trained parameters' alone,
+    and backward computes no weight gradient for it. The stage is a function of the step, and
+    the optimizer state holds exactly the parameters that have stepped, so resume is exact
+    across the switch. (At lr 0 the moments would fill with gradients of the frozen stage and
+    the clipping norm would count parameters that do not move.)"""
+    for name, p in model.named_parameters():
+        p.requires_grad_(only is None or name in only)
 
 
 def lr_at(step, tc):
@@ -245,13 +275,20 @@ def make_optimizer(model, tc):
 
 @torch.no_grad()
 def evaluate(model, raw_model, val_loader, gate_x, run):
-    """Mean val loss over the fixed val tokens (all ranks), plus gate stats on rank 0."""
+    """(mean val loss over the fixed val tokens, its mean over the last quarter of positions:
+    the tail loss; both of all ranks), plus gate stats on rank 0.
+
+    The tail loss is what [MoBA]'s authors watch to decide that a converted model has recovered:
+    the trailing positions are those whose keys a sparse variant drops most of."""
     device = run["device"]
     model.eval()
-    total = torch.zeros((), device=device)
+    total = torch.zeros(2, device=device)  # loss, tail loss
     for x, y in val_loader:
+        x, y = x.to(device), y.to(device)
         with run["autocast"]:
-            total += model(x.to(device), y.to(device))[1].float()
+            logits, loss = model(x, y)
+        tail = y.shape[1] - y.shape[1] // 4  # (B, T - tail, V) logits of the last quarter
+        total += torch.stack([loss.float(), F.cross_entropy(logits[:, tail:].float().flatten(0, 1), y[:, tail:].flatten())])
     total /= len(val_loader)
     if run["ddp"]:
         dist.all_reduce(total)  # gloo has no AVG: sum, then divide
@@ -264,7 +301,7 @@ def evaluate(model, raw_model, val_loader, gate_x, run):
         gates = raw_model.gate_stats()
         raw_model.record_gates(False)
     model.train()
-    return total.item(), gates
+    return total[0].item(), total[1].item(), gates
 
 
 def final_eval(raw_model, tc, run, step, runlog, log):
@@ -275,7 +312,7 @@ def final_eval(raw_model, tc, run, step, runlog, log):
     if tc.eval_seqs == 0 and not hellaswag_on:
         return
     record = evaluate_model(
-        raw_model, data_dir=tc.data_dir, tokenizer=data.tokenizer_of(tc.data_dir)[0], trained_len=tc.seq_len,
+        raw_model, data_dir=tc.data_dir, tokenizer=data.tokenizer_spec(tc.data_dir), trained_len=tc.seq_len,
         step=step, n_seq=tc.eval_seqs, batch_size=tc.batch_size, device=run["device"], autocast=run["autocast"],
         hellaswag_on=hellaswag_on, rank=run["rank"], world=run["world"], log=log)
     if run["master"]:
@@ -316,7 +353,7 @@ def save(ckpt_path, step, raw_model, optimizer, loader, tc, mc, device):
     save_checkpoint(ckpt_path, {
         "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
         "train_config": asdict(tc), "model_config": asdict(mc), "step": step,
-        "tokenizer": data.tokenizer_of(tc.data_dir)[0],  # sample.py decodes with it
+        "tokenizer": data.tokenizer_spec(tc.data_dir),  # sample.py decodes with it: data.load_tokenizer(spec)
         "loader": loader.state_dict(), "rng": rng_state(device)})
 
 
