@@ -61,7 +61,9 @@ def preset_settings():
 
 
 def rel(path):
-    path = Path(path).resolve()
+    """A path inside the repository as a relative one (links kept: data/bytes may be one), so the
+    committed commands run anywhere."""
+    path = Path(os.path.abspath(path))
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
