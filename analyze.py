@@ -403,13 +403,14 @@ def token_category(piece):
 
 
 def run_tokenizer(run):
-    """The tokenizer of the run's shards (data.tokenizer_of its data_dir, as train.py records
-    it in the checkpoint); GPT-2 when the run names no data."""
+    """The tokenizer of the run's shards (data.tokenizer_spec of its data_dir, as train.py
+    records it in the checkpoint: what data.load_tokenizer reads); GPT-2 when the run names no
+    data."""
     import data
 
     data_dir = run["train"].get("data_dir")
     try:
-        return data.tokenizer_of(data_dir)[0] if data_dir else "gpt2"
+        return data.tokenizer_spec(data_dir) if data_dir else "gpt2"
     except data.ShardError:
         return "gpt2"
 
@@ -456,7 +457,8 @@ def load_text_tokens(run, text_path, n_tokens):
         except OSError:
             return None, f"--text {path} cannot be tokenized: {BPE_OFFLINE}"
         if encode is None:
-            return None, f"--text {path}: the run was trained on {tokenizer} tokens, which have no text"
+            name = tokenizer if isinstance(tokenizer, str) else tokenizer["name"]
+            return None, f"--text {path}: the run was trained on {name} tokens, which have no text"
         tokens = encode(raw)[:n_tokens]
         return (tokens, f"--text {path}") if tokens else (None, f"--text {path} is empty")
     data_dir = run["train"].get("data_dir")

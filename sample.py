@@ -1,10 +1,15 @@
-"""Generate text from a checkpoint written by train.py, decoding with a KV cache.
+"""Generate text from a checkpoint written by train.py, or from a pretrained Hugging Face Qwen3,
+decoding with a KV cache.
 
     python sample.py --ckpt=out/RUN [--prompt="Once upon a time" | --prompt_file=PATH]
                      [--max_new_tokens=200] [--temperature=0.8] [--top_k=200] [--seed=1337]
                      [--device=cpu|cuda|auto] [--kernel=ref|fused] [--png=PATH]
+    python sample.py --init_from=Qwen/Qwen3-0.6B [--attn=moba ...] --prompt="The capital of France is"
 
 The model config travels with the checkpoint (`ckpt['model_config']`), so no flag repeats it.
+With --init_from (a Hugging Face Qwen3 folder or Hub id: model.load_hf) the sizes come from
+its config.json, the tokenizer is its tokenizer.json, and --attn with the variant's settings
+converts it (training-free: a variant's new parameters are at their initialisation).
 Every variant decodes with a KV cache (model.py's KVCache): `full`, `asga` and `caa` keep every
 key, `local` and windowed `dsa` keep a rolling cache of at most `window` keys between steps.
 `generate(..., use_cache=False)` recomputes the whole sequence for every token instead; the
@@ -21,11 +26,8 @@ from pathlib import Path
 
 import torch
 
-from model import CheckpointError, load_checkpoint
-from config import cuda_missing, fail, parse_flags
-
-EOT = 50256  # GPT-2 <|endoftext|>: an empty prompt starts a new document, as in training
-
+from model import CheckpointError, describe_hf_load, load_checkpoint
+from config import VARIANT_DEFAULTS, cuda_missing, fail, load_pretrained, parse_flags
 
 def context_length(ckpt):
     """The sequence length the model was trained on (train_config's seq_len), or None."""
@@ -36,22 +38,27 @@ def context_length(ckpt):
 
 def text_codec(tokenizer):
     """(encode, decode, document start id) for the tokenizer a checkpoint was trained with
-    (train.py records data.tokenizer_of(data_dir)'s name; older checkpoints are GPT-2).
-    An empty prompt is the document start id alone, as every training document begins."""
-    from data import BYTE_EOT, decode_bytes, encode_bytes
+    (train.py records data.tokenizer_spec of its data; older checkpoints name gpt2 or byte, or
+    nothing: GPT-2), read by data.load_tokenizer. An empty prompt is the document start id
+    alone, as every training document begins."""
+    import data
 
-    if tokenizer == "byte":
+    try:
+        tok = data.load_tokenizer(tokenizer)
+    except data.ShardError:  # NoText among them: ids without text
+        name = tokenizer if isinstance(tokenizer, str) else tokenizer.get("name")
+        raise CheckpointError(f"this checkpoint was trained on {name!r} tokens, which have no text to decode; "
+                              f"sample.py reads checkpoints of text: gpt2, byte or a tokenizer file's shards") from None
+    if tok.kind == "byte":
         # Sampled bytes need not form UTF-8 (a cut multibyte character): decode_bytes
         # replaces those with U+FFFD; the NUL that starts a document prints as a newline.
-        return (lambda text: encode_bytes(text).tolist(),
-                lambda tokens: decode_bytes(tokens).replace("\0", "\n"), BYTE_EOT)
-    if tokenizer == "gpt2":
+        return tok.encode, lambda tokens: tok.decode(tokens).replace("\0", "\n"), tok.eot
+    if tok.kind == "gpt2":  # a prompt may start a new document with "<|endoftext|>"
         import tiktoken
 
         enc = tiktoken.get_encoding("gpt2")
-        return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}), enc.decode, EOT)
-    raise CheckpointError(f"this checkpoint was trained on {tokenizer!r} tokens, which have no "
-                          f"text to decode; sample.py reads checkpoints of gpt2 or byte shards")
+        return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}), enc.decode, tok.eot)
+    return tok.encode, tok.decode, tok.eot
 
 
 def tokenizer_of_checkpoint(ckpt):
@@ -97,22 +104,28 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
 
 # ----------------------------------------------------------------------------- command line
 
-DEFAULTS = dict(ckpt="", prompt="", prompt_file="", max_new_tokens=200, temperature=0.8,
+DEFAULTS = dict(ckpt="", init_from="", prompt="", prompt_file="", max_new_tokens=200, temperature=0.8,
                 top_k=200, seed=1337, device="auto", kernel="ref", png="")
+VARIANT_KEYS = {k: v for k, v in VARIANT_DEFAULTS.items() if k != "kernel"}  # --kernel is DEFAULTS'
 
 
 def parse_args(argv):
-    """`--key=value` overrides of DEFAULTS (config.py's parser: typed, unknown keys list the
-    valid ones)."""
-    given, _ = parse_flags(argv, {"keys": DEFAULTS}, "sample.py", doc=__doc__)
-    args = {**DEFAULTS, **given}
-    if not args["ckpt"]:
-        fail("sample.py: --ckpt=RUN_DIR_OR_FILE is required")
+    """`--key=value` overrides of DEFAULTS, and with --init_from the variant's settings
+    (config.py's parser: typed, unknown keys list the valid ones) -> (args, variant settings)."""
+    given, _ = parse_flags(argv, {"keys": DEFAULTS, "model keys (with --init_from)": VARIANT_KEYS}, "sample.py",
+                           doc=__doc__)
+    args = {**DEFAULTS, **{k: v for k, v in given.items() if k in DEFAULTS}}
+    settings = {k: v for k, v in given.items() if k in VARIANT_KEYS}
+    if bool(args["ckpt"]) == bool(args["init_from"]):
+        fail("sample.py: give --ckpt=RUN_DIR_OR_FILE (a train.py run) or --init_from=PATH (a Hugging Face Qwen3 "
+             "folder or Hub id), one of them")
+    if args["ckpt"] and settings:
+        fail(f"sample.py: --{next(iter(settings))} applies to --init_from; a checkpoint's model config is its own")
     if args["prompt"] and args["prompt_file"]:
         fail("sample.py: give --prompt or --prompt_file, not both")
     if args["temperature"] < 0 or args["max_new_tokens"] < 0:
         fail("sample.py: --temperature and --max_new_tokens must be >= 0")
-    return args
+    return args, settings
 
 
 def render_png(path, prompt, completion, caption):
@@ -139,20 +152,28 @@ def render_png(path, prompt, completion, caption):
 
 
 def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args, settings = parse_args(sys.argv[1:] if argv is None else argv)
     device = args["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and cuda_missing():
         fail(f"sample.py: {cuda_missing()}")
-    try:
-        model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"])
-    except CheckpointError as e:
-        sys.exit(f"sample.py: {e}")
+    source = args["ckpt"] or args["init_from"]
+    if args["init_from"]:
+        model, tok, summary = load_pretrained(args["init_from"], device, {**settings, "kernel": args["kernel"]},
+                                              "sample.py")
+        ckpt = {"step": 0, "tokenizer": tok.spec}  # no training context to keep the prompt within
+        for line in describe_hf_load(summary):
+            print(line, file=sys.stderr)
+    else:
+        try:
+            model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"])
+        except CheckpointError as e:
+            sys.exit(f"sample.py: {e}")
     try:
         encode, decode, doc_start = text_codec(tokenizer_of_checkpoint(ckpt))
     except CheckpointError as e:
-        sys.exit(f"sample.py: {args['ckpt']}: {e}")
+        sys.exit(f"sample.py: {source}: {e}")
     if args["prompt_file"]:
         try:
             prompt = Path(args["prompt_file"]).read_text()
@@ -168,7 +189,7 @@ def main(argv=None):
         tokens = tokens[-seq_len:]
         prompt = decode(tokens)
     cfg = model.cfg
-    print(f"{Path(args['ckpt'])}: attn={cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, "
+    print(f"{source}: attn={cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, "
           f"step {ckpt.get('step', '?')}, prompt {len(tokens)} tokens", file=sys.stderr)
 
     torch.manual_seed(args["seed"])

@@ -43,8 +43,9 @@ RESULTS_DIR = ROOT / "experiments" / "results" / "pretrained"
 PRETRAIN = dict(max_steps=2000)  # train.py's CPU preset otherwise (the command in dense/command.txt)
 STEPS = 200
 # Continued training: lr 5e-4 (a sixth of the pretraining's peak; its last step ran at 3e-4),
-# a short warm-up for the fresh AdamW moments, cosine to 0.1 x lr; the CPU preset's batch.
-TRAIN = dict(max_steps=STEPS, lr=5e-4, warmup_steps=20, eval_every=20, ckpt_every=50, eval_seqs=0)
+# a short warm-up for the fresh AdamW moments, cosine to 0.1 x lr; the CPU preset's batch; seed
+# 1, not the pretraining's 1337, so that the batches are not the pretraining's first ones again.
+TRAIN = dict(max_steps=STEPS, lr=5e-4, warmup_steps=20, eval_every=20, ckpt_every=50, eval_seqs=0, seed=1)
 EVAL = dict(n_seq=16, recall=64)  # loss by position on 16 val sequences per length; recall on 64 sequences
 
 
