@@ -273,7 +273,13 @@ def pretrained_config(tc, model_keys, typed):
     settings = {k: v for k, v in model_keys.items() if k in typed or k not in HF_OWNED}
     try:
         mc = hf_model_config(tc.init_from, **settings)
-        tok = pretrained_tokenizer(tc.init_from, mc)
+        try:
+            tok = pretrained_tokenizer(tc.init_from, mc)
+        except CheckpointError as e:
+            if not tc.dry_run:
+                raise
+            print(f"warning: {e} (a real run stops here)", flush=True)
+            return mc
         if os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE)) or train_tokens_found(tc.data_dir)[0]:
             data.check_tokenizer(tc.data_dir, tok)
     except (CheckpointError, data.ShardError) as e:
@@ -582,7 +588,10 @@ def shards_command(tc, mc, local=False):
     recorded = os.path.exists(os.path.join(tc.data_dir, data.TOKENIZER_FILE))
     byte = (data.tokenizer_of(tc.data_dir)[0] if recorded else "byte" if mc.vocab_size <= 256 else "gpt2") == "byte"
     if tc.init_from:  # shards of the checkpoint's own tokenizer
-        byte = pretrained_tokenizer(tc.init_from, mc).kind == "byte"
+        try:
+            byte = pretrained_tokenizer(tc.init_from, mc).kind == "byte"
+        except CheckpointError:  # no tokenizer.json yet (a dry run has warned): the folder's, once it has one
+            byte = False
         if not byte:
             source = "'path/to/*.jsonl'" if local else "fineweb"
             planned = tc.max_steps * tc.total_batch_tokens

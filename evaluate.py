@@ -103,9 +103,9 @@ def token_bytes(tokenizer, vocab_size):
     """(vocab_size,) int64: the UTF-8 bytes of each token id's text, 0 for the document
     separator and for ids the tokenizer does not use (the vocabulary's padding); None for
     tokens without text (the recall probe's). tokenizer: what data.load_tokenizer reads (a
-    name, a checkpoint's spec, a tokenizer.json)."""
+    name, a checkpoint's spec, a tokenizer.json), or a data.TextTokenizer."""
     try:
-        tok = data.load_tokenizer(tokenizer)
+        tok = tokenizer if isinstance(tokenizer, data.TextTokenizer) else data.load_tokenizer(tokenizer)
     except data.NoText:
         return None
     return tok.token_bytes(vocab_size)
@@ -236,7 +236,7 @@ def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=
             raise EvalError(f"the model embeds {vocab} token ids, fewer than the {tok.n_ids} of the {tok.name} tokens "
                             f"that {data_dir} is taken to hold (no tokenizer.json there?); record the folder's "
                             f"tokenizer with data.write_tokenizer (`python data.py` writes it)")
-        bytes_per_token = tok.token_bytes(vocab) if vocab else None
+        bytes_per_token = token_bytes(tok, vocab) if vocab else None
     except data.NoText:  # ids without text (the recall probe's): no bytes to count
         bytes_per_token = None
     except (EvalError, data.ShardError) as e:
@@ -548,8 +548,10 @@ class HarnessLM(TemplateLM):
     """A checkpoint of ours (any variant) as an lm-evaluation-harness model: loglikelihood,
     rolling loglikelihood (perplexity tasks) and greedy generation.
 
-    --model_args: ckpt (a run folder or checkpoint file, required), max_length (default: the
-    trained seq_len), kernel (ref | fused; default: the checkpoint's). The harness's
+    --model_args: ckpt (a run folder or checkpoint file) or init_from (a Hugging Face Qwen3
+    folder or Hub id, with attn: the variant it is converted to, default full), max_length
+    (default: the trained seq_len; with init_from 2048), kernel (ref | fused; default: the
+    checkpoint's). The harness's
     --batch_size and --device reach it too (device: CUDA when there is one, else CPU; the
     harness's default cuda:0 falls back to CPU with a note when there is none). On CUDA the
     forward runs in bf16 autocast, log-probabilities in float32.
@@ -562,17 +564,18 @@ class HarnessLM(TemplateLM):
     from a full window). A request whose text the tokenizer refuses is one EvalError naming its
     task and document, before any is scored."""
 
-    def __init__(self, ckpt="", max_length=0, kernel="", batch_size=8, device="", max_batch_size=None, **unknown):
+    def __init__(self, ckpt="", init_from="", attn="full", max_length=0, kernel="", batch_size=8, device="",
+                 max_batch_size=None, **unknown):
         if model_registry is None:
             raise EvalError("the lm-evaluation-harness adapter needs lm_eval: pip install -r requirements-dev.txt")
         super().__init__()
-        from model import CheckpointError, load_checkpoint
+        from model import CheckpointError, hf_model_config, load_checkpoint, load_hf
 
         if unknown:
             raise EvalError(f"{HARNESS_MODEL}: unknown --model_args {sorted(unknown)}; "
-                            f"it takes ckpt, max_length, kernel")
-        if not ckpt:
-            raise EvalError(f"{HARNESS_MODEL}: --model_args ckpt=RUN_DIR_OR_FILE is required")
+                            f"it takes ckpt or init_from (with attn), max_length, kernel")
+        if bool(ckpt) == bool(init_from):
+            raise EvalError(f"{HARNESS_MODEL}: --model_args needs ckpt=RUN_DIR_OR_FILE or init_from=HF_FOLDER_OR_HUB_ID")
         if batch_size == "auto" or str(batch_size).startswith("auto"):
             print(f"note: {HARNESS_MODEL} has no automatic batch size; using 8 (set --batch_size N)", file=sys.stderr)
             batch_size = 8
@@ -580,9 +583,20 @@ class HarnessLM(TemplateLM):
         if device.startswith("cuda") and not torch.cuda.is_available():
             print(f"note: {HARNESS_MODEL}: no CUDA device here, running on cpu", file=sys.stderr)
             device = "cpu"
-        self.model, checkpoint = load_checkpoint(str(ckpt), device, kernel=kernel or None)  # CheckpointError: one line
+        if init_from:  # CheckpointError: one line
+            from config import pretrained_tokenizer
+
+            settings = dict(attn=attn, **({"kernel": kernel} if kernel else {}))
+            try:
+                tok = pretrained_tokenizer(str(init_from), hf_model_config(str(init_from), **settings))
+                self.model, _ = load_hf(str(init_from), device, **settings)
+            except ValueError as e:  # e.g. an unknown attn
+                raise EvalError(f"{HARNESS_MODEL}: init_from={init_from}: {e}") from None
+            checkpoint = {"tokenizer": tok.spec, "train_config": {"seq_len": 2048}}
+        else:
+            self.model, checkpoint = load_checkpoint(str(ckpt), device, kernel=kernel or None)  # CheckpointError: one line
         self.tokenizer = text_tokenizer(checkpoint.get("tokenizer", "gpt2"))
-        top = data.TOKENIZERS[self.tokenizer.name][0] - 1
+        top = self.tokenizer.n_ids - 1
         if top >= self.model.cfg.vocab_size:
             raise CheckpointError(f"{ckpt}: the model embeds {self.model.cfg.vocab_size} token ids, fewer than "
                                   f"the {top + 1} of its recorded {self.tokenizer.name} tokenizer")

@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
+import pretrained  # noqa: E402
 import recall  # noqa: E402
 import recall_grid  # noqa: E402
 import text_data  # noqa: E402
@@ -765,6 +766,7 @@ def results_markdown(out, md_dir):
     L += paper_section(stats)
     L += later_baselines_section(stats, rec)
     L += scale_section(windows, rec, out, stats)
+    L += pretrained.section(out / "pretrained", link)
     return "\n".join(L) + "\n", stats, windows, rec
 
 

@@ -156,7 +156,9 @@ def test_bad_checkpoints_exit_with_a_message_naming_the_path(tmp_path, damage):
 def test_bad_arguments_list_the_valid_ones(capsys):
     for args, words in ((["--ckpt=x", "--max_tokens=3"], ["unknown config key --max_tokens", "max_new_tokens"]),
                         (["--ckpt=x", "--temperature=hot"], ["--temperature=hot: expected float"]),
-                        (["--prompt=hi"], ["--ckpt=RUN_DIR_OR_FILE is required"])):
+                        (["--prompt=hi"], ["give --ckpt=RUN_DIR_OR_FILE", "or --init_from=PATH"]),
+                        (["--ckpt=x", "--init_from=y"], ["one of them"]),
+                        (["--ckpt=x", "--attn=local"], ["--attn applies to --init_from"])):
         with pytest.raises(SystemExit) as e:
             sample.main(args)
         err = capsys.readouterr().err
