@@ -322,9 +322,12 @@ def pretrained_tokenizer(path, mc):
                               f"copy the checkpoint's tokenizer.json into the folder")
     try:
         tok = data.load_tokenizer(file)
-        tok.check_fits(mc.vocab_size, f"{folder}'s embedding (config.json's vocab_size)")
     except data.ShardError as e:
         raise CheckpointError(str(e)) from None
+    if tok.n_ids > mc.vocab_size:
+        raise CheckpointError(f"{file} writes {tok.n_ids} token ids but config.json's vocab_size is {mc.vocab_size}, "
+                              f"so ids {mc.vocab_size}..{tok.n_ids - 1} have no embedding row: the tokenizer is not "
+                              f"this checkpoint's; put the tokenizer.json it was trained with in {folder}")
     return tok
 
 

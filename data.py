@@ -271,6 +271,12 @@ def byte_tokenizer_json():
     return tok.to_str()
 
 
+# tokenizer_config.json beside it: without one, transformers gives a qwen3 folder Qwen2's
+# tokenizer class, which adds "<|endoftext|>" as a special token of id 256, beyond the byte
+# model's vocabulary; the generic class adds nothing (the separator NUL is a byte, id 0).
+BYTE_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast"}
+
+
 def is_byte_file(parsed):
     """Whether a parsed tokenizer file is byte_tokenizer_json's (by content, not by its text,
     so a file re-saved by another version of `tokenizers` is still recognised): no merges, the

@@ -619,12 +619,14 @@ def describe_hf_load(summary):
     return lines
 
 
-def save_hf(model, out_dir, tokenizer_json=None, eos_token_id=None, dtype=None, max_position_embeddings=32768):
+def save_hf(model, out_dir, tokenizer_json=None, eos_token_id=None, dtype=None, max_position_embeddings=32768,
+            tokenizer_config=None):
     """Write a `full` model as a Hugging Face Qwen3 folder that transformers' Qwen3ForCausalLM
     loads with the same logits: config.json, model.safetensors and, given its JSON text
-    (data.TextTokenizer.json_text), tokenizer.json. dtype: of the saved weights (default:
-    the model's). max_position_embeddings: the context length config.json states (RoPE has
-    no limit; transformers' generate stops there)."""
+    (data.TextTokenizer.json_text), tokenizer.json; given a dict, tokenizer_config.json (what
+    transformers' AutoTokenizer reads beside it, e.g. data.BYTE_TOKENIZER_CONFIG). dtype: of
+    the saved weights (default: the model's). max_position_embeddings: the context length
+    config.json states (RoPE has no limit; transformers' generate stops there)."""
     from safetensors.torch import save_file
 
     cfg = model.cfg
@@ -658,6 +660,10 @@ def save_hf(model, out_dir, tokenizer_json=None, eos_token_id=None, dtype=None, 
     if tokenizer_json is not None:
         with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
             f.write(tokenizer_json)
+    if tokenizer_config is not None:
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f, indent=2)
+            f.write("\n")
     return out_dir
 
 

@@ -147,7 +147,8 @@ def export(run_dir, hf_dir, results_dir):
                          "tokenizer-file model")
     tokenizer_json = data.byte_tokenizer_json() if tok.kind == "byte" else tok.json_text
     seq_len = ckpt["train_config"]["seq_len"]
-    save_hf(model, hf_dir, tokenizer_json=tokenizer_json, eos_token_id=tok.eot, max_position_embeddings=4 * seq_len)
+    save_hf(model, hf_dir, tokenizer_json=tokenizer_json, eos_token_id=tok.eot, max_position_embeddings=4 * seq_len,
+            tokenizer_config=data.BYTE_TOKENIZER_CONFIG if tok.kind == "byte" else None)
     record = {"run": rel(run_dir), "hf_dir": rel(hf_dir), "files": sorted(os.listdir(hf_dir)),
               "tokenizer": tok.name, "step": ckpt["step"]}
     val = np.asarray(data.load_shard(data.find_shards(ckpt["train_config"]["data_dir"], "val")[0])[: 4 * seq_len])
@@ -163,7 +164,7 @@ def export(run_dir, hf_dir, results_dir):
         hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
         with torch.no_grad():
             diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
-        text = "The pretrained model, exported: naïve café, 日本語."
+        text = "The pretrained model, exported: naïve café, 日本語, <|endoftext|> as text."
         hf_ids = transformers.AutoTokenizer.from_pretrained(hf_dir)(text)["input_ids"]
         record["transformers"] = {"version": transformers.__version__, "max_abs_logit_diff": diff,
                                   "tokens": int(idx.numel()), "tokenizer_agrees": hf_ids == tok.encode(text)}

@@ -229,6 +229,38 @@ def test_recall_probe_scores_the_query_position(shift, expected):
         assert r["accuracy"] < 0.2
 
 
+# ----------------------------------------------------------------------------- a byte model's export
+
+def test_a_byte_model_exports_with_a_tokenizer_file_that_comes_back_as_byte(tmp_path):
+    """model.save_hf with data.byte_tokenizer_json: transformers encodes text with it as our byte
+    tokenizer does and gives the same logits; --init_from reads it back as `byte`, so the byte
+    shards the model was trained on are its shards."""
+    torch.manual_seed(0)
+    ours = M.Model(M.ModelConfig(**M.PRESETS["bytes"])).eval()
+    for p in ours.parameters():
+        p.data.normal_(0, 0.1)
+    out = M.save_hf(ours, tmp_path / "hf", tokenizer_json=data.byte_tokenizer_json(), eos_token_id=data.BYTE_EOT,
+                    tokenizer_config=data.BYTE_TOKENIZER_CONFIG)
+    text = "naïve café, 日本語 🙂 <|endoftext|> and a NUL \x00 byte"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(text)["input_ids"] == list(text.encode("utf-8")) and hf_tok.decode(list(text.encode())) == text
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(out).eval()
+    idx = torch.tensor([list(text.encode("utf-8"))])
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx)[0]).abs().max() < 1e-4
+    mc = M.hf_model_config(out)
+    tok = config.pretrained_tokenizer(str(out), mc)
+    assert tok.kind == "byte" and tok.fingerprint == "byte" and mc.vocab_size == 256
+    shards = tmp_path / "bytes"
+    shards.mkdir()
+    data.write_tokenizer(shards, "byte", 256)
+    data.check_tokenizer(shards, tok)  # the byte shards are this model's
+    parsed = json.loads(data.byte_tokenizer_json())
+    assert data.is_byte_file(parsed)
+    parsed["model"]["merges"] = [["a", "b"]]  # one merge: no longer one token per byte
+    assert not data.is_byte_file(parsed)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def bad_folder(tmp_path, case, tok):
@@ -261,6 +293,7 @@ def test_bad_pretrained_input_is_one_line_and_loses_nothing(pretrained, tmp_path
             "sample": [f"--init_from={path}", "--prompt=The", "--max_new_tokens=2", "--device=cpu"],
             "evaluate": [f"--init_from={path}", f"--data_dir={shards}", f"--out={out / 'eval.json'}", "--device=cpu"]}
     main = {"train": lambda a: __import__("train").main(a), "sample": sample.main, "evaluate": evaluate.main}[script]
+    capsys.readouterr()  # transformers' progress bars of making the folder
     with pytest.raises(SystemExit) as e:
         main(argv[script])
     err = capsys.readouterr().err
