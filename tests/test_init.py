@@ -184,6 +184,24 @@ def test_evaluate_scores_a_converted_model_training_free(pretrained, tmp_path, c
     assert "layers.*.self_attn.head_gate.weight: new, initialised by the variant" in printed
 
 
+def test_the_harness_adapter_takes_a_pretrained_folder(pretrained):
+    """--model_args init_from=FOLDER: the folder's tokenizer and transformers' log-probabilities."""
+    if evaluate.model_registry is None:
+        pytest.skip("lm_eval is not installed (pip install -r requirements-dev.txt; .ci/run installs it)")
+    folder, _, hf = pretrained
+    lm = evaluate.HarnessLM(init_from=str(folder), max_length=32, device="cpu")
+    tok = data.load_tokenizer(folder)
+    context, continuation = lm.tok_encode("The baker opens"), lm.tok_encode(" the shop at seven")
+    assert context == tok.encode("The baker opens") and lm.eot_token_id == tok.eot
+    [(log_p, _)] = lm._loglikelihood_tokens([(None, context, continuation)])
+    ids = torch.tensor([context + continuation])
+    with torch.no_grad():
+        log_probs = hf(ids[:, :-1]).logits.log_softmax(-1)[0, len(context) - 1:]  # (continuation, V)
+    assert log_p == pytest.approx(log_probs.gather(1, ids[0, len(context):, None]).sum().item(), rel=1e-5)
+    with pytest.raises(M.CheckpointError, match="unknown attention variant .sparse."):
+        evaluate.HarnessLM(init_from=str(folder), attn="sparse", device="cpu")
+
+
 @pytest.mark.parametrize("attn", list(VARIANTS))
 def test_every_variant_says_how_its_conversion_starts(pretrained, attn):
     """evaluate.py's note for each variant agrees with what load_hf finds new."""
