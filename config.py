@@ -4,6 +4,9 @@ command line that sample.py, evaluate.py and analyze.py share with it.
 - `parse_flags` / `fail`: the `--key=value` command line of every script (nanoGPT's
   configurator, typed: a value takes its default's type, an unknown key lists the valid ones)
 - `TrainConfig`, `TRAIN_PRESETS`; `parse_args`: train.py's flags -> (TrainConfig, ModelConfig)
+- a pretrained start (`--init_from`: a Hugging Face Qwen3): its ModelConfig, tokenizer and
+  weights (`pretrained_config`, `pretrained_tokenizer`, `init_model`; `load_pretrained` for
+  sample.py and evaluate.py) and the stages of `--warmup_new_steps`
 - this machine, the device, the processes and the data: `set_up`, `fit_batch`, `open_data`
 - the plan train.py prints before its first step and what a run does with its folder
   (`plan_run`), which is all a dry run does

@@ -1,8 +1,14 @@
-"""Evaluations of a train.py checkpoint: loss by position, bits per byte, HellaSwag.
+"""Evaluations of a train.py checkpoint or a pretrained Hugging Face Qwen3: loss by position,
+bits per byte, recall, HellaSwag.
 
     python evaluate.py --ckpt=out/run                         # loss by position + bits per byte -> out/run/eval.json
     python evaluate.py --ckpt=out/run --hellaswag=True        # plus HellaSwag (downloaded once, 10,042 items)
     torchrun --nproc_per_node=8 evaluate.py --ckpt=out/run --hellaswag=True   # HellaSwag split over the ranks
+    python evaluate.py --init_from=Qwen/Qwen3-0.6B --attn=moba --data_dir=data/qwen3 --recall=64 --out=moba.json
+
+--init_from converts a pretrained Qwen3 to --attn (with the variant's settings as flags) and
+scores it training-free at --seq_len, saying whether the variant's new parameters start
+neutral (CONVERSION_START). --recall=N adds the recall probe (recall_probe) on N sequences.
 
 train.py runs the same at the end of every run (`--eval_seqs`, `--hellaswag`) and writes
 eval.json into the run folder; `analyze.py` draws loss by position from it.

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=8 train.py --attn=asga    # GPUs: the papers' 134M model on FineWeb
     python train.py --attn=dsa                          # CPU: the tiny model in a few minutes
     python train.py --attn=dsa --dry_run=True           # print the plan and exit
+    torchrun --nproc_per_node=8 train.py --init_from=Qwen/Qwen3-0.6B --attn=indexer   # from a pretrained Qwen3
 
 The device picks the defaults: on CUDA the `qwen-134m` preset (the papers' model, 1024-token
 sequences, ~0.5M-token global batch, bf16 autocast, torch.compile, data/fineweb10B), on CPU
@@ -19,6 +20,8 @@ a torchrun restart (`--max-restarts=N`) always resumes as `auto`. SIGTERM / Ctrl
 the current step, write a checkpoint of it and exit with 128 + the signal number (143 / 130),
 so schedulers see an interrupted run (torchrun then reports its own SignalException); a
 second Ctrl-C on a single process abandons the step at once without a checkpoint.
+`--init_from` starts from a Hugging Face Qwen3's weights, converted to `--attn`;
+`--warmup_new_steps=N` trains the variant's new parameters alone first (docs/training.md).
 """
 import gc
 import hashlib
