@@ -161,6 +161,23 @@ def test_new_parameters_warm_up_alone_then_all_train_and_resume_is_exact(pretrai
     assert first["val_tail"] == pytest.approx(losses[:, 12:].mean().item(), rel=1e-5)
 
 
+def test_the_stages_under_torchrun_match_one_process(pretrained, tmp_path):
+    """Two processes (gloo): DDP is rebuilt at the switch for the parameters that then need
+    gradients; the ranks end equal (train.py checks) and with one process's weights."""
+    folder, shards, _ = pretrained
+    flags = [*RUN, f"--init_from={folder}", "--attn=dsa", f"--data_dir={shards}", "--max_steps=3",
+             "--warmup_new_steps=1", "--batch_size=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train("--batch_size=2", *flags[len(RUN):], f"--out_dir={one}")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(ROOT / "train.py"), *flags, f"--out_dir={two}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = M.read_checkpoint(one)["model"], M.read_checkpoint(two)["model"]
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    assert any(not torch.equal(a[k], t) for k, t in pretrained_state(folder).items())
+
+
 # ----------------------------------------------------------------------------- evaluate.py
 
 def test_evaluate_scores_a_converted_model_training_free(pretrained, tmp_path, capsys):
