@@ -354,16 +354,22 @@ def pretrained_stages(tc, mc, given):
     return tc
 
 
-def init_model(tc, mc, device, resumed):
+def init_model(tc, mc, run, resumed):
     """The model train.py trains: --init_from's weights (a fresh start from a pretrained
     checkpoint; the variant's new parameters get their init_gates values), else model.py's
-    initialisation. A resumed run's checkpoint holds every weight, so it starts from the latter."""
+    initialisation. A resumed run's checkpoint holds every weight, so it starts from the latter.
+    Under torchrun rank 0 loads first, so a Hub id's weights are downloaded once (the other
+    ranks of its node then read the cache)."""
     if not tc.init_from or resumed:
-        return Model(mc).to(device)
+        return Model(mc).to(run["device"])
+    if run["ddp"] and not run["master"]:
+        dist.barrier()
     try:
-        model, summary = load_hf(tc.init_from, device, **{k: getattr(mc, k) for k in MODEL_DEFAULTS if k not in HF_OWNED})
+        model, _ = load_hf(tc.init_from, run["device"], **{k: getattr(mc, k) for k in MODEL_DEFAULTS if k not in HF_OWNED})
     except (CheckpointError, ValueError) as e:
         fail(str(e), code=1)
+    if run["ddp"] and run["master"]:
+        dist.barrier()
     if model.cfg != mc:  # the folder changed between the plan and now
         fail(f"{tc.init_from}: its config.json changed while this run started; start it again", code=1)
     return model.train()
@@ -678,9 +684,13 @@ def init_plan(tc, meta_model):
     indexer = meta_model.cfg.attn == "indexer"
     kl = ", the indexer by its KL loss alone" if indexer else ""
     if tc.warmup_new_steps:
+        dense = ""
+        if indexer and tc.indexer_warmup:  # [DS32]: the two warm-ups are one unless both flags were given
+            dense = (", dense attention ([DS32] warm-up)" if tc.indexer_warmup == tc.warmup_new_steps else
+                     f", dense attention in steps 1-{tc.indexer_warmup}")
         lines.append(f"stages      steps 1-{tc.warmup_new_steps}: the new parameters alone ({n_new:,}; every pretrained "
-                     f"one frozen){', dense attention ([DS32] warm-up)' if indexer and tc.indexer_warmup else ''}{kl}; "
-                     f"steps {tc.warmup_new_steps + 1}-{tc.max_steps}: all {total:,} parameters{kl}")
+                     f"one frozen){dense}{kl}; steps {tc.warmup_new_steps + 1}-{tc.max_steps}: all {total:,} "
+                     f"parameters{kl}")
     else:
         lines.append(f"stages      all {total:,} parameters train from step 1 (--warmup_new_steps=N trains the new "
                      f"ones alone first)" if new else f"stages      all {total:,} parameters train from step 1")

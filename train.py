@@ -73,7 +73,7 @@ def main(argv=None):
 
     # -- data, model, optimizer, resume, log
     loader, val_loader = open_data(tc, mc, run)
-    raw_model = init_model(tc, mc, device, resumed)  # unwrapped and uncompiled: its state dict goes in checkpoints
+    raw_model = init_model(tc, mc, run, resumed)  # unwrapped and uncompiled: its state dict goes in checkpoints
     os.makedirs(tc.out_dir, exist_ok=True)  # after what can fail on bad input: nothing is left behind
     optimizer = make_optimizer(raw_model, tc)
     step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
