@@ -354,14 +354,11 @@ def pretrained_stages(tc, mc, given):
     return tc
 
 
-def init_model(tc, mc, run, resumed):
-    """The model train.py trains: --init_from's weights (a fresh start from a pretrained
-    checkpoint; the variant's new parameters get their init_gates values), else model.py's
-    initialisation. A resumed run's checkpoint holds every weight, so it starts from the latter.
-    Under torchrun rank 0 loads first, so a Hub id's weights are downloaded once (the other
-    ranks of its node then read the cache)."""
-    if not tc.init_from or resumed:
-        return Model(mc).to(run["device"])
+def init_model(tc, mc, run):
+    """The model train.py starts from with --init_from: the checkpoint's weights, the variant's
+    new parameters at their init_gates values, in training mode. Under torchrun rank 0 loads
+    first, so a Hub id's weights are downloaded once (the other ranks of its node then read
+    the cache)."""
     if run["ddp"] and not run["master"]:
         dist.barrier()
     try:

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import flops
 from evaluate import evaluate_model  # the end-of-run evaluations (train.py's own evaluate() is the val loss)
-from model import CheckpointError, read_checkpoint, save_checkpoint
+from model import CheckpointError, Model, read_checkpoint, save_checkpoint
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -73,7 +73,9 @@ def main(argv=None):
 
     # -- data, model, optimizer, resume, log
     loader, val_loader = open_data(tc, mc, run)
-    raw_model = init_model(tc, mc, run, resumed)  # unwrapped and uncompiled: its state dict goes in checkpoints
+    # unwrapped and uncompiled: its state dict goes in checkpoints. A resumed run's checkpoint
+    # holds every weight, --init_from's too. (Model by this name: experiments/paired.py replaces it.)
+    raw_model = init_model(tc, mc, run) if tc.init_from and not resumed else Model(mc).to(device)
     os.makedirs(tc.out_dir, exist_ok=True)  # after what can fail on bad input: nothing is left behind
     optimizer = make_optimizer(raw_model, tc)
     step = resume(ckpt_path, mc, raw_model, optimizer, loader, device) if resumed else 0  # optimizer steps done
