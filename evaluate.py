@@ -772,7 +772,8 @@ CONVERSION_START = {
     "moba": "no new parameters: blocks chosen by the pretrained keys' block means, training-free",
     "dsa": "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output",
     "asga": "not neutral: its pair gate starts near s = 0.5, which halves every logit (a temperature of 2)",
-    "caa": "not neutral: its mix gate starts near 0.5, half local branch and half top-k branch",
+    "caa": "not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two normalised "
+           "attentions (its local branch and its top-k branch)",
     "nsa": "not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 attention outputs",
     "indexer": "not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random until "
                "the indexer's KL warm-up trains it",
