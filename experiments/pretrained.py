@@ -28,6 +28,7 @@ sittings; commit experiments/results/pretrained/ as runs finish. The variant set
 CPU preset's (window 64 of 256 bytes, ...), for the conversion as for the training.
 """
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -149,8 +150,10 @@ def export(run_dir, hf_dir, results_dir):
     seq_len = ckpt["train_config"]["seq_len"]
     save_hf(model, hf_dir, tokenizer_json=tokenizer_json, eos_token_id=tok.eot, max_position_embeddings=4 * seq_len,
             tokenizer_config=data.BYTE_TOKENIZER_CONFIG if tok.kind == "byte" else None)
+    weights = Path(hf_dir) / "model.safetensors"
     record = {"run": rel(run_dir), "hf_dir": rel(hf_dir), "files": sorted(os.listdir(hf_dir)),
-              "tokenizer": tok.name, "step": ckpt["step"]}
+              "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), "tokenizer": tok.name,
+              "step": ckpt["step"]}
     val = np.asarray(data.load_shard(data.find_shards(ckpt["train_config"]["data_dir"], "val")[0])[: 4 * seq_len])
     idx = torch.from_numpy(val.astype(np.int64)).view(4, seq_len)  # (4, T) val bytes
     back, _ = load_hf(hf_dir)  # our loader: the same weights, bit for bit
