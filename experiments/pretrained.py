@@ -288,6 +288,7 @@ def section(results_dir, link):
         start = CONVERSION_START.get(attn, "–")
         L.append(f"| {attn} | {start} | {' | '.join(cells)} | {recovered_at(log, full_log)} | "
                  f"{recall_cells((r.get('before') or {}).get('recall'))} | {recall_cells((r.get('after') or {}).get('recall'))} |")
+    L += indexer_lines(rows["indexer"].get("log", []), full_log)
     L += [""] + position_lines(rows)
     full_recall = (rows["full"].get("before") or {}).get("recall")
     if full_recall and abs(full_recall["accuracy"] - full_recall["chance"]) < 0.02:
@@ -314,11 +315,46 @@ RECOVERED = 0.01  # nats/byte: a conversion has recovered when its tail loss is 
 def recovered_at(log, full_log):
     """The first evaluated step at which the tail loss is within RECOVERED of full's, or '–'."""
     full_tail = {r["step"]: r["val_tail"] for r in full_log if "val_tail" in r and "event" not in r}
-    for r in log:
-        if "val_tail" in r and "event" not in r and r["step"] in full_tail:
+    for r in log:  # the indexer's dense warm-up attends densely: not yet the converted model
+        if "val_tail" in r and "event" not in r and r["step"] in full_tail and r.get("indexer_stage") != "dense":
             if r["val_tail"] - full_tail[r["step"]] <= RECOVERED:
                 return f"step {r['step']}"
     return "–" if not log else "not by the end"
+
+
+def indexer_lines(log, full_log):
+    """What the indexer's log says of its [DS32] warm-up: the loss stays the pretrained model's
+    while it runs (every pretrained weight frozen, attention dense), its KL falls, and the
+    first sparse evaluation keeps some share of the dense attention's mass."""
+    evals = [r for r in log if "val" in r and "loss" in r and "event" not in r]
+    dense = [r for r in evals if r.get("indexer_stage") == "dense"]
+    sparse = [r for r in evals if r.get("indexer_stage") == "sparse"]
+    steps = [r for r in log if "indexer_kl" in r and "event" not in r]
+    if not (dense and sparse and steps):
+        return []
+    pre = val_at(full_log, 0)[0]
+    kl_end = [r for r in steps if r.get("indexer_stage") == "dense"][-1]
+    first = sparse[0]
+    kept = first.get("gates", {}).get("kept_mass", {}).get("mean")
+    ref = val_at(full_log, first["step"])[0]
+    vals = ", ".join(format(r["val"], ".4f") for r in dense)
+    at = ", ".join(str(r["step"]) for r in dense)
+    return ["", f"`indexer` during its warm-up: validation loss {vals} at step{'s' if len(dense) > 1 else ''} "
+                f"{at}, " + ("bit for bit the pretrained model's" if all(r["val"] == pre for r in dense) else
+                             "against the pretrained model's") + f" {pre:.4f} (every pretrained weight frozen, "
+                f"attention dense), while the indexer's KL "
+                f"loss (summed over layers) fell from {steps[0]['indexer_kl']:.3f} at step 1 to "
+                f"{kl_end['indexer_kl']:.3f} at step {kl_end['step']}. At the first sparse evaluation (step "
+                f"{first['step']}) its loss is {first['val']:.4f} ({first['val'] - ref:+.4f} from `full`'s)"
+                + (f", its selection keeping {sum(m[0] for m in kept) / len(kept):.3f} of the dense attention's mass "
+                   f"(mean over layers; {val_kept(log, 0):.3f} with the untrained indexer at step 0)" if kept else "")
+                + "."]
+
+
+def val_kept(log, step):
+    r = next((r for r in log if r.get("step") == step and "gates" in r and "event" not in r), {})
+    kept = r.get("gates", {}).get("kept_mass", {}).get("mean")
+    return sum(m[0] for m in kept) / len(kept) if kept else float("nan")
 
 
 def _gap(rows, attn):
