@@ -38,24 +38,24 @@ References (the short names are used everywhere below):
 The four seed papers report their runs on FineWeb with a 134M-parameter Qwen model; their
 numbers are quoted below with the paper they come from.
 
-The map. Every variant is causal; what differs is which keys query t reads, what chooses
-them, and what mixes the results (fla's fla/ops/dsa/README.md draws the selecting ones as a
-2 x 2 of blocks vs tokens and pooled keys vs a learned indexer: nsa and moba choose blocks by
-pooled keys, indexer chooses tokens by a learned indexer).
-  variant   query t reads                           chosen by                         mixed by
-  full      every key s <= t                        causality                         one softmax
-  local     t - W <= s <= t                         position                          one softmax
-  dsa       local's keys (every key while t < 512)  position                          a learned gate per head and token scales the output
-  asga      every key s <= t                        causality                         a learned gate per (t, s) pair scales each logit
-  caa       a window of learned width W .. W'      position and a learned width      a learned gate per head and token mixes the
-            + the top ceil(sqrt(t + 1)) keys       tokens by q . k (no pooling)       two softmaxes
-  combiner  its own aligned block, directly,        position                          one softmax over keys and summaries
-            + one summary per earlier block
-  nsa       compressed keys (block means)           position                          learned gates per head and token mix
-            + the top-n blocks                      blocks by pooled keys (q . mean)  three softmaxes
-            + a window of W
-  moba      its own block + the top k-1 earlier     blocks by pooled keys (q . mean)  one softmax over the chosen blocks
-  indexer   the top k keys                          tokens by a learned indexer       one softmax over the chosen keys
+The map: which keys query t reads, what chooses them, and what mixes the results.
+  variant   query t reads                             chosen by              mixed by
+  full      every key s <= t                          causality              -
+  local     the window t - W <= s <= t                position               -
+  dsa       local's window (all keys while t < 512)   position               a gate g(x_t) per head scales it
+  asga      every key s <= t                          causality              a gate s(q_t, k_s) per pair scales a logit
+  caa       a window of learned width W .. W', and    position; the top q.k  a gate g(x_t) per head mixes the
+            the top ceil(sqrt(t + 1)) keys by q . k                          two softmaxes
+  combiner  its own aligned block, and one summary    position               one softmax over keys and summaries
+            (a max-pooled key) per earlier block
+  nsa       compressed keys (block means), the top-n  position; blocks by    gates g(x_t) per head mix three
+            blocks, and a window                      q . compressed keys    softmaxes
+  moba      its own block and the top k-1 earlier     blocks by q . mean(k)  one softmax over the chosen blocks
+  indexer   the top k keys                            a learned indexer      one softmax over the chosen keys
+The selecting ones in [fla]'s 2 x 2 (fla/ops/dsa/README.md):
+                scored by pooled keys     scored by a learned indexer
+    blocks      nsa, moba                 -
+    tokens      (caa: by the raw q . k)   indexer
 
 Conventions. q is (B, H, T, D); k and v are (B, Hkv, S, D), S counting keys (S = T in a plain
 forward pass, S = cached + T when decoding with a KV cache). Positions enter as two Python
@@ -462,7 +462,8 @@ class DynamicSparseAttention(CausalSelfAttention):
         if cfg.dsa_window == "fixed":
             return f"{W} keys back for every query{of}", covers_all("dsa", W, T)
         if cfg.dsa_window == "adaptive":
-            line = f"{W} keys back for queries at positions >= {cfg.dsa_threshold} (dsa_threshold), every key below it{of}"
+            line = (f"{W} keys back for queries at positions >= {cfg.dsa_threshold} (dsa_threshold), every key "
+                    f"below it{of}")
             if cfg.dsa_threshold >= T:
                 return line, (f"dsa: dsa_threshold {cfg.dsa_threshold} >= seq_len {T}: no query is windowed, so it "
                               f"computes full attention; pass --dsa_threshold below {T}")
@@ -1051,8 +1052,8 @@ class NativeSparseAttention(CausalSelfAttention):
     @classmethod
     def check_budget(cls, cfg, T):
         if cfg.nsa_topk * cfg.nsa_block > T:
-            raise ValueError(f"--nsa_topk={cfg.nsa_topk} x --nsa_block={cfg.nsa_block} = {cfg.nsa_topk * cfg.nsa_block} "
-                             f"keys > seq_len={T}: the selection would be dense; use nsa_topk in 3 .. "
+            raise ValueError(f"--nsa_topk={cfg.nsa_topk} x --nsa_block={cfg.nsa_block} = "
+                             f"{cfg.nsa_topk * cfg.nsa_block} keys > seq_len={T}: the selection would be dense; use nsa_topk in 3 .. "
                              f"{max(3, T // cfg.nsa_block)}")
 
     def attention_flops(self, T):
@@ -1351,7 +1352,8 @@ class IndexerAttention(CausalSelfAttention):
     def describe(cls, cfg, T):
         k = cfg.index_topk or cfg.window
         line = (f"the top {k} keys per query by a lightning indexer of {cfg.index_heads} heads of "
-                f"{cfg.index_head_dim} (index_topk{'' if cfg.index_topk else ' = the window'}), of a {T}-token sequence")
+                f"{cfg.index_head_dim} (index_topk{'' if cfg.index_topk else ' = the window'}), "
+                f"of a {T}-token sequence")
         return line, (f"indexer: {k} keys per query cover the whole {T}-token sequence, so it computes full "
                       f"attention; pass --index_topk below {T}" if k >= T else None)
 
@@ -1376,7 +1378,9 @@ VARIANTS = {
 }
 
 
-# ---------------------------------------------------------------------------- what the plan, flops.py and analysis read
+# ---------------------------------------------------------------------------- outside the methods
+# What the plan (`describe`), flops.py (`attention_flops`) and analysis (`note`) use, and
+# the indexer's loss slot.
 
 def covers_all(name, W, T):
     """The plan's warning when a window of W keys back covers a T-token sequence, or None."""

@@ -1098,8 +1098,8 @@ def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
     S = k_idx.shape[1]
     dots = torch.einsum("btjd,bsd->btjs", q_idx.float(), k_idx.float()) / math.sqrt(d)  # (B, T, J, S)
     scores = (F.relu(dots) * w.float()[..., None]).sum(2)  # (B, T, S)
-    future = (k_start + torch.arange(S, device=q_idx.device)) > (q_start + torch.arange(T, device=q_idx.device))[:, None]
-    return scores.masked_fill(future, NEG_INF)
+    q_pos = q_start + torch.arange(T, device=q_idx.device)[:, None]
+    return scores.masked_fill(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
 
 
 def _top_keys(scores, n):
@@ -1119,8 +1119,9 @@ def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     scores never exist at once."""
     B, T, J, _ = q_idx.shape
     S = k_idx.shape[1]
-    return torch.cat([_top_keys(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start), min(n, S))
-                      for t0, t1 in query_chunks(T, B * J * S, INDEX_SCORES)], dim=1)
+    chunks = query_chunks(T, B * J * S, INDEX_SCORES)
+    return torch.cat([_top_keys(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
+                                min(n, S)) for t0, t1 in chunks], dim=1)
 
 
 def _kl_chunk(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):

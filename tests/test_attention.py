@@ -81,8 +81,8 @@ def test_python_attention_py_draws_every_variant():
      "of a 300-token sequence", "dsa: dsa_threshold 512 >= seq_len 300: no query is windowed, so it computes full "
      "attention; pass --dsa_threshold below 300"),
     (dict(attn="asga"), 64, "none: a learned pair gate on every key j <= i, of a 64-token sequence", None),
-    (dict(attn="moba", moba_block=64, moba_topk=4), 1024, "its own block and the top 3 earlier blocks of 64 (256 keys), "
-     "of a 1024-token sequence", None),
+    (dict(attn="moba", moba_block=64, moba_topk=4), 1024,
+     "its own block and the top 3 earlier blocks of 64 (256 keys), of a 1024-token sequence", None),
     (dict(attn="indexer", window=16), 128, "the top 16 keys per query by a lightning indexer of 4 heads of 64 "
      "(index_topk = the window), of a 128-token sequence", None),
 ])
