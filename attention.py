@@ -1264,17 +1264,14 @@ class IndexerAttention(CausalSelfAttention):
         S_t = the min(k, t + 1) visible keys of highest I[t, :]
         u_t = softmax over s in S_t of q_t . k_s / sqrt(d), times v          ([DS32] eq. 2)
     One selection per query, shared by every head ([DS32]'s code adds one -inf mask to all
-    heads). Ties go to the most recent key (`top_keys`). The main attention is `full`'s, over
-    S_t; the selection passes no gradient.
-
-    Training ([DS32] §2.1, eqs. 3-4): the indexer learns only from L^I (`indexer_kl`) over the
-    visible keys (dense warm-up) or over S_t only (sparse stage); the indexer's input x is
-    detached, so the main model learns from the language-model loss alone and the indexer
-    from L^I alone. After a forward in training mode, L^I is `self.indexer_loss` (a scalar;
-    train.py adds it to the loss). `dense_warmup = True` attends over every visible key (the
-    paper's dense warm-up); a module as built attends sparsely; train.py switches it for its
-    first --indexer_warmup steps. The mean over tokens (the paper writes a sum) makes L^I
-    independent of batch and length.
+    heads); ties go to the most recent key (`top_keys`); the selection passes no gradient.
+    Training ([DS32] §2.1): the indexer learns from L^I alone (`indexer_kl`, eqs. 3-4; its
+    input x is detached), the main model from the language-model loss alone. After a forward
+    in training mode L^I is `self.indexer_loss`, which train.py adds to the loss.
+    `dense_warmup = True` attends to every visible key and fits L^I over them (the paper's
+    dense warm-up; train.py sets it for its first --indexer_warmup steps); as built, the
+    module is sparse. The mean over tokens (the paper writes a sum) keeps L^I independent of
+    batch and length.
 
     What this project chose apart from the paper: no MLA and no query latent (the indexer
     reads x); no FP8 and no Hadamard rotation (numerics for speed). Sizes: index_heads = 4 of
@@ -1504,7 +1501,7 @@ SHOW = {
     "caa": [("caa local branch, width 4..6", dict(window=4, caa_window_max=6, caa_gate="local")),
             ("global branch, top ceil(sqrt(t+1))", dict(window=4, caa_window_max=6, caa_gate="global")),
             ("the two mixed by g", dict(window=4, caa_window_max=6))],
-    "combiner": [("combiner, blocks of 4", dict(window=4))],
+    "combiner": [("combiner, blocks of 4 (earlier ones via summaries)", dict(window=4))],
     "nsa": [("nsa cmp: means of 2 every 2", dict(nsa_branches="cmp")),
             ("slc: 4 blocks of 2", dict(nsa_branches="slc")),
             ("win: 2 back", dict(nsa_branches="win")),
@@ -1517,7 +1514,7 @@ SHOW_SIZES = dict(n_head=2, n_kv_head=1, head_dim=8, d_model=16, asga_hidden=4, 
 
 
 @torch.no_grad()
-def attention_weights(variant, T=16, seed=0, **settings):
+def mixing_weights(variant, T=16, seed=0, **settings):
     """(T, T): the weight with which query t (row) mixes the value of key s (column) under
     `variant` (head 0), through this file's reference: every variant is linear in v, so with
     one-hot values (v = the identity, one column per key) its output is its mixing matrix."""
@@ -1539,7 +1536,7 @@ def grid(weights):
 
 def show(variant, T=16):
     """The panels of `variant` side by side, one row per query."""
-    panels = [(label, grid(attention_weights(variant, T, **settings))) for label, settings in SHOW[variant]]
+    panels = [(label, grid(mixing_weights(variant, T, **settings))) for label, settings in SHOW[variant]]
     width = max(T, *(len(label) for label, _ in panels)) + 3
     lines = ["     " + "".join(label.ljust(width) for label, _ in panels)]
     for t in range(T):

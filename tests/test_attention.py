@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attention
-from attention import VARIANTS, AttentionConfig, attention_weights, grid
+from attention import VARIANTS, AttentionConfig, grid, mixing_weights
 from conftest import ROOT
 from model import ModelConfig
 
@@ -19,7 +19,7 @@ T = 16
 
 def read(variant, **settings):
     """(T, T) bool: the keys each query reads under `variant` (weight > 0)."""
-    return attention_weights(variant, T, **settings) > 0
+    return mixing_weights(variant, T, **settings) > 0
 
 
 def test_local_grid_is_a_band_of_width_window_plus_one():
@@ -27,7 +27,7 @@ def test_local_grid_is_a_band_of_width_window_plus_one():
     seen = read("local", window=W)
     t, s = torch.arange(T)[:, None], torch.arange(T)
     assert torch.equal(seen, (s <= t) & (t - s <= W))
-    rows = grid(attention_weights("local", T, window=W))
+    rows = grid(mixing_weights("local", T, window=W))
     assert rows[10] == "." * (10 - W) + "#" * (W + 1) + " " * (T - 11)
 
 
