@@ -66,7 +66,7 @@ def variant_flags(m):
             m.get("asga_gate"), ()),
         "caa": ("caa_gate", "caa_topk", "window", "caa_window_max", "caa_tau", "caa_hidden"),
         "nsa": ("nsa_cmp_block", "nsa_cmp_stride", "nsa_block", "nsa_topk", "nsa_window", "nsa_compress",
-                "nsa_branches", "nsa_kv"),
+                "nsa_branches"),
         "moba": ("moba_block", "moba_topk", "moba_full_last"),
         "indexer": ("index_topk", "index_heads", "index_head_dim") + (("window",) if not m.get("index_topk") else ()),
     }.get(m.get("attn"), ())
@@ -533,9 +533,9 @@ def capture_attend_inputs(model, idx, layer):
     attn = model.layers[layer].self_attn
     seen = {}
 
-    def spy(q, k, v, x, q_start, k_start):
+    def spy(q, k, v, x, q_start, k_start, cache=None):
         seen.update(q=q, k=k, v=v, x=x, q_start=q_start, k_start=k_start)
-        return type(attn).attend(attn, q, k, v, x, q_start, k_start)
+        return type(attn).attend(attn, q, k, v, x, q_start, k_start, cache)
 
     attn.attend = spy  # shadows the class's method on this instance only
     try:

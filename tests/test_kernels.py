@@ -488,19 +488,18 @@ class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
 def test_recorded_gate_statistics_stay_within_the_fused_memory():
     """asga at T = 2048 with record=True (gate statistics at evaluation): no tensor with
     T * T * r elements or more is created, and none larger than the fused forward's own
-    largest or the stated bound (ASGAttention.record_pair_gate)."""
+    largest or the stated bound (kernels.chunked_mean_pair_gate)."""
     T, r = 2048, 4
     module = make_module("asga", asga_hidden=r)
     q, k, v, x, _ = inputs(module, T, 1, 0, 0, 1, grad=False)
     with torch.no_grad():
         with LargestTensor() as plain:
             run(module, "fused", q, k, v, x, 0, 0)
-        module.record = True
+        module.record_gates(True)
         with LargestTensor() as recorded:
             run(module, "fused", q, k, v, x, 0, 0)
-        module.record = False
     H = module.cfg.n_head
-    bound = max(module.RECORD_ELEMENTS, H * T * r)
+    bound = max(kernels.RECORD_ELEMENTS, H * T * r)
     assert recorded.largest < T * T * r
     assert recorded.largest <= max(plain.largest, bound), (recorded.largest, plain.largest, bound)
     gate = module.gates["pair_gate"]  # (1, T, H), the mean over visible keys, as the reference has it
