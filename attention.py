@@ -104,6 +104,7 @@ class AttentionConfig:
     head_dim: int = 16  # D; the scale is 1 / sqrt(D)
     d_model: int = 64  # the width of the block's input x (gates and the indexer read x)
     rope_theta: float = 10000.0  # [RoPE]'s base, for the main keys and the indexer's
+    norm_eps: float = 1e-6  # every RMSNorm's eps, q_norm's and k_norm's too (Hugging Face's one rms_norm_eps)
     attn: str = "full"  # the variant: a key of VARIANTS
     window: int = 256  # W: a windowed query at i sees i - W .. i (local, dsa, asga fixed, caa); combiner's block
     kernel: str = "fused"  # ref: this file as written; fused: best for the device; flex; blockwise (`ops`)
@@ -277,8 +278,8 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim)
-        self.k_norm = RMSNorm(cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.notes = None  # while recording (`record_gates`): {name: tensor} of the last forward
 

@@ -30,7 +30,6 @@ class ModelConfig(AttentionConfig):
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
     n_layer: int = 2
     mlp_hidden: int = 192
-    norm_eps: float = 1e-6
     tie_embeddings: bool = True
     # moba: the last this-many layers use full attention ([MoBA] §3.2's layer-wise hybrid: 3 of
     # 32 layers for Llama-8B-1M); for runs that follow the paper's long-context recipe
