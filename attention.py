@@ -597,7 +597,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
 
             def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                return F.logsigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
+                # (kernels.log_sigmoid: F.logsigmoid fails inside a FlexAttention score_mod on CUDA)
+                return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
             local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
         if cfg.caa_gate != "local":

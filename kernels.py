@@ -1094,6 +1094,18 @@ def units(x):
     return x.movedim(-1, 0).contiguous().unbind(0)
 
 
+def log_sigmoid(z):
+    """log sigmoid(z), for score_mods: -softplus(-z), never F.logsigmoid. Why: on CUDA,
+    F.logsigmoid's op returns a second, empty output ("buffer"), and the vmap that uncompiled
+    FlexAttention runs a score_mod under (decode-sized calls, `DECODE_ROWS`) fails on it
+    ("SmallVector unable to grow", torch 2.11 on an H100). On a CPU that buffer is full-sized,
+    so the failure cannot happen there (tests/test_kernels.py re-creates it by giving the CPU
+    op CUDA's empty buffer). softplus returns its input x above `threshold`, dropping
+    log1p(e^-x); at 40 that is < 4.3e-18 relative to x, below float64's resolution, so this
+    equals log sigmoid in float64 too (the default threshold, 20, is off by 1e-10 there)."""
+    return -F.softplus(-z, threshold=40.0)
+
+
 def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """attention.attention: flash SDPA where no window, bias or per-head scale applies,
     else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
@@ -1150,7 +1162,7 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
         z = b2_rows[b, h, i]
         for q_c, k_c, w2_c in zip(q_units, k_units, w2_units):
             z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
-        return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
+        return score * torch.sigmoid(z) if gate_space == "logit" else score + log_sigmoid(z)
 
     gate.kernel_options = PAIR_GATE_TILES
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)

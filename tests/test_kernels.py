@@ -244,6 +244,82 @@ def test_flex_gradients_on_cuda(attn, flags):
         check(module, T, B=1, kernel="flex", device="cuda")
 
 
+def test_flex_log_sigmoid_equals_logsigmoid():
+    """kernels.log_sigmoid, which score_mods use for log sigmoid (asga's prob gate, caa's soft
+    window edge), equals F.logsigmoid: value and gradient within 4 machine epsilons of the
+    float64 truth (plus the smallest normal number, for values that underflow), in float32 and
+    in float64, for z from -1e30 to 1e30 (softplus's threshold sits at -z = 40: the default,
+    20, misses by 4e5 epsilons in float64)."""
+    z64 = torch.cat([torch.linspace(-200, 200, 40001, dtype=torch.float64),
+                     torch.tensor([-1e30, -1e4, -41.0, -40.0, -39.0, -0.0, 0.0, 1e4, 1e30], dtype=torch.float64)])
+    for dtype in (torch.float32, torch.float64):
+        info = torch.finfo(dtype)
+        z = z64.to(dtype).requires_grad_(True)
+        value = kernels.log_sigmoid(z)
+        (grad,) = torch.autograd.grad(value.sum(), z)
+        truth = torch.nn.functional.logsigmoid(z.detach().double())
+        truth_grad = torch.sigmoid(-z.detach().double())
+        for what, got, want in (("value", value, truth), ("gradient", grad, truth_grad)):
+            error = (got.double() - want).abs()
+            allowed = 4 * info.eps * want.abs() + info.tiny
+            worst = (error - allowed).argmax()
+            assert (error <= allowed).all(), (f"{dtype} {what} at z = {z[worst].item()}: {got[worst].item()} "
+                                              f"vs {want[worst].item()}")
+
+
+@pytest.fixture
+def log_sigmoid_as_on_cuda():
+    """While active, the CPU's F.logsigmoid keeps CUDA's contract: its op, log_sigmoid_forward,
+    returns an empty second output ('buffer'; the CPU kernel returns a full one, which the CPU
+    backward reads), and the backward reads the input instead. This is what made every score_mod
+    that called F.logsigmoid fail inside uncompiled FlexAttention's vmap on an H100 (torch 2.11:
+    'SmallVector unable to grow'); a CPU cannot show it otherwise."""
+    def forward(x):
+        return torch.minimum(x.new_zeros(()), x) - torch.log1p(torch.exp(-x.abs())), x.new_empty((0,))
+
+    def backward(grad, x, buffer):
+        return grad * torch.sigmoid(-x)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+        with torch.library._scoped_library("aten", "IMPL") as lib:
+            lib.impl("log_sigmoid_forward", forward, "CPU")
+            lib.impl("log_sigmoid_backward", backward, "CPU")
+            yield
+
+
+LOG_SIGMOID_CONFIGS = [("asga", dict(asga_gate="learned", asga_gate_space="prob")),
+                       ("caa", dict(caa_gate="learned", caa_topk="sqrt"))]
+
+
+@pytest.mark.parametrize("attn,flags", LOG_SIGMOID_CONFIGS, ids=["asga-prob", "caa"])
+def test_flex_score_mods_run_where_logsigmoid_cannot(attn, flags, log_sigmoid_as_on_cuda):
+    """The score_mods that take a log sigmoid run under uncompiled FlexAttention (the path of
+    decode-sized calls, kernels.DECODE_ROWS) with F.logsigmoid given CUDA's contract (the
+    fixture), and their output and gate gradients equal the reference's. First, the fixture
+    is shown to re-create the GPU's failure: a score_mod that calls F.logsigmoid fails in it.
+    What this cannot show: anything else CUDA does differently under vmap; the tests marked
+    cuda, on a GPU, are the check of that."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k, v = (torch.randn(1, 1, 2, 16) for _ in range(3))
+    with pytest.raises(RuntimeError, match="SmallVector"):
+        flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + torch.nn.functional.logsigmoid(s))
+    module = make_module(attn, n_head=2, n_kv_head=1, **flags, **WINDOWS["w100"])
+    gates = [p for name, p in module.named_parameters() if "proj" not in name and "norm" not in name]
+    for p0, T in ((300, 1), (0, 7)):  # one decoded token after a cache; a short prompt
+        q, k, v, x, cotangent = inputs(module, T, 1, p0, 0, seed=2, grad=False)
+        results = []
+        for kernel in ("flex", "ref"):
+            out = run(module, kernel, q, k, v, x, p0, 0)
+            results.append((out, torch.autograd.grad(out, gates, cotangent, allow_unused=True)))
+        (out, grads), (ref, ref_grads) = results
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5), (attn, p0, T, (out - ref).abs().max())
+        assert any(g is not None and g.abs().max() > 0 for g in ref_grads), "no gate takes a gradient"
+        for g, g_ref in zip(grads, ref_grads):
+            if g_ref is not None:
+                assert torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5 * g_ref.abs().max()), (attn, p0, T)
+
+
 def test_a_wrong_kernel_fails_the_check(monkeypatch):
     """The check can see a small error: a window one key too narrow fails it."""
     module = make_module("local", **WINDOWS["w100"])
