@@ -588,7 +588,10 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
         local = glob = None
         if cfg.caa_gate != "global":
-            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(self.width(x)[..., 0])  # (B, T)
+            # (B, T) in float32 at least (autocast's Linear gives bf16): in bf16 a width in [256,
+            # 512] moves in steps of 2 tokens, and FlexAttention sums the gradient of the
+            # tensor its score_mod captures (width_BHT) in that tensor's dtype
+            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
             if self.record:
                 self.gates["window"] = width.detach()[..., None]
 
@@ -611,11 +614,16 @@ class ContextAdaptiveAttention(CausalSelfAttention):
                 self.gates["mix_gate"] = torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
                                                     device=q.device)
             return glob if local is None else local
-        g = torch.sigmoid(self.mix_gate(x))  # (B, T, H)
+        g = torch.sigmoid(at_least_float32(self.mix_gate(x)))  # (B, T, H)
         if self.record:
             self.gates["mix_gate"] = g.detach()
-        g = g.transpose(1, 2).unsqueeze(-1).to(local.dtype)  # (B, H, T, 1)
-        return g * local + (1 - g) * glob
+        g = g.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+        # g L + (1 - g) G written as G + g (L - G), in float32 at least: the gate's gradient is
+        # sum_d dy (L - G), and where the branches nearly agree, bf16's rounding of the two sums
+        # sum_d dy L and sum_d dy G before they cancel (under autocast) swamped it. What stays
+        # cannot be helped here: L and G come out of FlexAttention rounded to bf16 (q's dtype).
+        dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
+        return (glob + g * (local - glob)).to(dtype)
 
 
 # ---------------------------------------------------------------------------- combiner

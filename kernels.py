@@ -1149,8 +1149,10 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
     # Every captured tensor is read once, by row ([b, h, i]) or by key ([b, h, j]): see
-    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them.
-    q_units, k_units = units(q_term), units(k_term)
+    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them. All are
+    # float32 at least (under autocast q_term, k_term come in bf16): FlexAttention sums a
+    # captured tensor's gradient, over a row's or a column's scores, in that tensor's dtype.
+    q_units, k_units = (units(t if t.dtype == torch.float64 else t.float()) for t in (q_term, k_term))
     w2_units = units(per_row(w2, B, T))
     b2_rows = per_row(b2, B, T)
     scale_rows = None if head_scale is None else per_row(head_scale, B, T)
@@ -1159,10 +1161,18 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
         if scale_rows is not None:
             score = score * scale_rows[b, h, i]
         # [ASGA] eq. 1, one hidden unit at a time: pointwise, as a score_mod must be
-        z = b2_rows[b, h, i]
+        z = z0 = b2_rows[b, h, i]  # z0: the gate's logit at a zero pair term
         for q_c, k_c, w2_c in zip(q_units, k_units, w2_units):
             z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
-        return score * torch.sigmoid(z) if gate_space == "logit" else score + log_sigmoid(z)
+        if gate_space == "logit":
+            return score * torch.sigmoid(z)
+        # prob: + log s - log sigmoid(z0), a constant in each row, which the softmax ignores.
+        # Why: b2's gradient is sum_ij dS_ij sigmoid(-z_ij), with sigmoid(-z) nearly the same
+        # for every key, so mostly sum_j dS_ij: 0 exactly, but FlexAttention's backward
+        # subtracts rowsum(out * d_out) with out rounded to bf16, which leaves sum_j dS_ij
+        # ~1e-3 of sum_j |dS_ij| (1e-7 in float32) and b2's gradient 4-7e-2 off. With the
+        # constant, b2's terms are dS_ij (sigmoid(-z_ij) - sigmoid(-b2)) and that error goes.
+        return score + (log_sigmoid(z) - log_sigmoid(z0))
 
     gate.kernel_options = PAIR_GATE_TILES
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
