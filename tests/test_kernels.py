@@ -474,19 +474,22 @@ BF16_CONFIGS = [(a, f) for a, f in CONFIGS if not (a == "caa" and f.get("caa_gat
 def bf16_errors(module, kernel, T=40, truth_module=None):
     """[(what, normwise relative error, bound)] of module.attend under CPU bf16 autocast
     with `kernel` against the float32 reference of truth_module (default: module itself):
-    output, and gradients of q, k, v, x and every parameter (flex: output only, as on CPU
-    its backward needs float32 captures)."""
+    output, and gradients of q, k, v, x and every parameter (flex: of x and the parameters,
+    q, k, v held constant, as FlexAttention has no CPU backward for them)."""
     truth_module = truth_module or module
     q, k, v, x, cotangent = inputs(module, T, 2, 0, 0, 1)
+    qkv_grads = kernel != "flex"
     results = []
     for mod, which, bf16 in ((truth_module, "ref", False), (module, kernel, True)):
-        backward = kernel != "flex"
-        q_, k_, v_, x_ = (t.detach().clone().requires_grad_(backward) for t in (q, k, v, x))
-        named = dict(q=q_, k=k_, v=v_, x=x_, **dict(mod.named_parameters()))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.set_grad_enabled(backward):
+        q_, k_, v_, x_ = (t.detach().clone().requires_grad_(qkv_grads) for t in (q, k, v, x))
+        x_.requires_grad_(True)
+        named = dict(x=x_, **dict(mod.named_parameters()))
+        if qkv_grads:
+            named = dict(q=q_, k=k_, v=v_, **named)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = run(mod, which, q_, k_, v_, x_, 0, 0)
         grads = None
-        if backward:
+        if out.requires_grad:  # (not flex `full` with q, k, v constant: nothing to differentiate)
             grads = torch.autograd.grad(out, list(named.values()), cotangent.to(out.dtype), allow_unused=True)
         results.append((out.float(), grads))
     (ref, ref_grads), (out, grads) = results
@@ -502,11 +505,45 @@ def bf16_errors(module, kernel, T=40, truth_module=None):
 @pytest.mark.parametrize("attn,flags", BF16_CONFIGS, ids=[IDS[CONFIGS.index(c)] for c in BF16_CONFIGS])
 def test_bf16_attention_equals_float32(attn, flags):
     """Under CPU bf16 autocast, every path's attention output and gradients (kernel ref and
-    fused; flex its output) are within the bf16 bound of the float32 reference's."""
+    fused; flex all but q's, k's and v's) are within the bf16 bound of the float32 reference's."""
     module = make_module(attn, n_head=2, n_kv_head=1, **flags, **BF16_WINDOWS)
     for kernel in ("ref", "fused", "flex"):
         for what, error, bound in bf16_errors(module, kernel):
             assert error <= bound, f"{kernel} {what}: {error / BF16_U:.1f} u > {bound / BF16_U:.1f} u"
+
+
+def test_bf16_flex_prob_gate_bias_gradient():
+    """asga's prob gate near its init (w2 ~ N(0, 0.02): sigmoid(-z) nearly the same for every
+    key), T = 256: b2's gradient, sum over every score of a head of dS_ij sigmoid(-z_ij), is
+    within the bf16 bound of float32's on the flex path, as every other gradient is. It was
+    60 u off while b2 took the rounding of FlexAttention's bf16 row sums of dS, sum_j dS_ij
+    (0 exactly; see kernels.flex_pair_gated_attention)."""
+    module = make_module("asga", n_head=2, n_kv_head=1, asga_gate="learned", asga_gate_space="prob", **BF16_WINDOWS)
+    module.w2.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    rows = bf16_errors(module, "flex", T=256)
+    assert "grad b2" in [what for what, _, _ in rows]
+    for what, error, bound in rows:
+        assert error <= bound, f"flex {what}: {error / BF16_U:.1f} u > {bound / BF16_U:.1f} u"
+
+
+def test_bf16_caa_window_edge_is_not_rounded():
+    """Under bf16 autocast, caa's width w = W + W' sigmoid(l) (the window edge its soft
+    boundary's score_mod reads) differs from float32's by no more than bf16's rounding of the
+    logit l explains, |dw| <= W'/4 |dl| (sigmoid' <= 1/4), and not by a rounding of w itself:
+    at W = 256 .. 512 a bf16 w moves in steps of 2 tokens."""
+    module = make_module("caa", n_head=2, n_kv_head=1, window=256, caa_window_max=512)
+    module.record = True
+    q, k, v, x, _ = inputs(module, 40, 2, 0, 0, 1, grad=False)
+    widths, logits = [], []
+    for bf16 in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
+            run(module, "flex", q, k, v, x, 0, 0)
+            logits.append(module.width(x)[..., 0].double())
+        widths.append(module.gates["window"][..., 0].double())
+    spread = module.cfg.caa_window_max - module.cfg.window
+    explained = spread / 4 * (logits[1] - logits[0]).abs() + 1e-4  # (+ float32's rounding of w)
+    excess = ((widths[1] - widths[0]).abs() - explained).max().item()
+    assert excess <= 0, f"the bf16 width is {excess:.2f} tokens farther from float32's than its logit explains"
 
 
 @pytest.mark.parametrize("attn,flags", [("local", {}), ("dsa", dict(dsa_window="fixed")),
