@@ -621,7 +621,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # g L + (1 - g) G written as G + g (L - G), in float32 at least: the gate's gradient is
         # sum_d dy (L - G), and where the branches nearly agree, bf16's rounding of the two sums
         # sum_d dy L and sum_d dy G before they cancel (under autocast) swamped it. What stays
-        # cannot be helped here: L and G come out of FlexAttention rounded to bf16 (q's dtype).
+        # cannot be helped here: L and G come out of FlexAttention rounded to bf16 (q's dtype),
+        # and with top-k 'sqrt' bf16's rounding of q and k changes some of G's chosen keys.
         dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
         return (glob + g * (local - glob)).to(dtype)
 
