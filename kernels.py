@@ -1101,8 +1101,8 @@ def log_sigmoid(z):
     ("SmallVector unable to grow", torch 2.11 on an H100). On a CPU that buffer is full-sized,
     so the failure cannot happen there (tests/test_kernels.py re-creates it by giving the CPU
     op CUDA's empty buffer). softplus returns its input x above `threshold`, dropping
-    log1p(e^-x); at 40 that is < 4.3e-18 relative to x, below float64's resolution, so this
-    equals log sigmoid in float64 too (the default threshold, 20, is off by 1e-10 there)."""
+    log1p(e^-x), <= 4.3e-18 from x = 40 on: below float64's resolution of x, so this equals
+    log sigmoid in float64 too (at the default threshold, 20, it is off by 1e-10 relative)."""
     return -F.softplus(-z, threshold=40.0)
 
 
