@@ -678,7 +678,9 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
         local = glob = None
         if cfg.caa_gate != "global":
-            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(self.width(x)[..., 0])  # (B, T)
+            # (B, T), in float32 at least: autocast's Linear gives bf16, where a width in [256, 512]
+            # moves in steps of 2 tokens (and FlexAttention sums the captured width's gradient in its dtype)
+            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
             self.note("window", lambda: width[..., None])
 
             # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
@@ -686,7 +688,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
 
             def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                return F.logsigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
+                # (kernels.log_sigmoid: F.logsigmoid fails inside a FlexAttention score_mod on CUDA)
+                return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
             local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
         if cfg.caa_gate != "local":
@@ -698,10 +701,13 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
                                                      device=q.device))
             return glob if local is None else local
-        g = torch.sigmoid(self.mix_gate(x))  # (B, T, H)
+        g = torch.sigmoid(at_least_float32(self.mix_gate(x)))  # (B, T, H)
         self.note("mix_gate", g)
-        g = g.transpose(1, 2).unsqueeze(-1).to(local.dtype)  # (B, H, T, 1)
-        return g * local + (1 - g) * glob
+        g = g.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+        # eq. 1, g L + (1 - g) G, written G + g (L - G) in float32 at least: the gate's gradient
+        # is sum_d dy (L - G), which bf16 loses where the branches nearly agree
+        dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
+        return (glob + g * (local - glob)).to(dtype)
 
     @classmethod
     def check_config(cls, cfg):

@@ -1271,6 +1271,18 @@ def units(x):
     return x.movedim(-1, 0).contiguous().unbind(0)
 
 
+def log_sigmoid(z):
+    """log sigmoid(z), for score_mods: -softplus(-z), never F.logsigmoid. Why: on CUDA,
+    F.logsigmoid's op returns a second, empty output ("buffer"), and the vmap that uncompiled
+    FlexAttention runs a score_mod under (decode-sized calls, `DECODE_ROWS`) fails on it
+    ("SmallVector unable to grow", torch 2.11 on an H100). On a CPU that buffer is full-sized,
+    so the failure cannot happen there (tests/test_kernels.py re-creates it by giving the CPU
+    op CUDA's empty buffer). softplus returns its input x above `threshold`, dropping
+    log1p(e^-x), <= 4.3e-18 from x = 40 on: below float64's resolution of x, so this equals
+    log sigmoid in float64 too (at the default threshold, 20, it is off by 1e-10 relative)."""
+    return -F.softplus(-z, threshold=40.0)
+
+
 def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """attention.attention: flash SDPA where no window, bias or per-head scale applies,
     else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
@@ -1314,8 +1326,10 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
     # Every captured tensor is read once, by row ([b, h, i]) or by key ([b, h, j]): see
-    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them.
-    q_units, k_units = units(q_term), units(k_term)
+    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them. All are
+    # float32 at least (under autocast q_term, k_term come in bf16): FlexAttention sums a
+    # captured tensor's gradient, over a row's or a column's scores, in that tensor's dtype.
+    q_units, k_units = (units(t if t.dtype == torch.float64 else t.float()) for t in (q_term, k_term))
     w2_units = units(per_row(w2, B, T))
     b2_rows = per_row(b2, B, T)
     scale_rows = None if head_scale is None else per_row(head_scale, B, T)
@@ -1324,10 +1338,18 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
         if scale_rows is not None:
             score = score * scale_rows[b, h, i]
         # [ASGA] eq. 1, one hidden unit at a time: pointwise, as a score_mod must be
-        z = b2_rows[b, h, i]
+        z = z0 = b2_rows[b, h, i]  # z0: the gate's logit at a zero pair term
         for q_c, k_c, w2_c in zip(q_units, k_units, w2_units):
             z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
-        return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
+        if gate_space == "logit":
+            return score * torch.sigmoid(z)
+        # prob: + log s - log sigmoid(z0), a constant in each row, which the softmax ignores.
+        # Why: b2's gradient is sum_ij dS_ij sigmoid(-z_ij), with sigmoid(-z) nearly the same
+        # for every key, so mostly sum_j dS_ij: 0 exactly, but FlexAttention's backward
+        # subtracts rowsum(out * d_out) with out rounded to bf16, which leaves sum_j dS_ij
+        # ~1e-3 of sum_j |dS_ij| (1e-7 in float32) and b2's gradient 4-7e-2 off. With the
+        # constant, b2's terms are dS_ij (sigmoid(-z_ij) - sigmoid(-b2)) and that error goes.
+        return score + (log_sigmoid(z) - log_sigmoid(z0))
 
     gate.kernel_options = PAIR_GATE_TILES
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
