@@ -133,7 +133,7 @@ def gqa_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("attn,flags", [(a, {}) for a in VARIANTS] + [
-    ("nsa", dict(nsa_compress="mlp", nsa_kv="independent")), ("moba", dict(moba_full_last=1))])
+    ("nsa", dict(nsa_compress="mlp")), ("moba", dict(moba_full_last=1))])
 def test_every_variant_converts_a_gqa_checkpoint(gqa_folder, attn, flags):
     """Every pretrained tensor lands in its place, the variant's own parameters keep the
     initialisation a fresh model of the same seed gives them (init_gates'), and it runs."""
