@@ -551,7 +551,7 @@ def test_bf16_caa_window_edge_is_not_rounded():
     logit l explains, |dw| <= W'/4 |dl| (sigmoid' <= 1/4), and not by a rounding of w itself:
     at W = 256 .. 512 a bf16 w moves in steps of 2 tokens."""
     module = make_module("caa", n_head=2, n_kv_head=1, window=256, caa_window_max=512)
-    module.record = True
+    module.record_gates(True)
     q, k, v, x, _ = inputs(module, 40, 2, 0, 0, 1, grad=False)
     widths, logits = [], []
     for bf16 in (False, True):
