@@ -320,7 +320,9 @@ class CausalSelfAttention(nn.Module):
         """Set the variant's own parameters to their documented init (Model calls this after
         its generic init, which would otherwise overwrite them)."""
 
-    # what analysis reads: one mechanism, `note`
+    # what analysis reads: one mechanism, `note`; and what analyze.py draws of the notes
+    DYNAMICS = ()  # (note, caption, a line per head?): drawn over training in a figure of their own
+    BRANCHES = ()  # the branches a gate per branch mixes, each gate noted as gate_<branch> (nsa)
 
     def record_gates(self, on=True):
         """Keep what `attend` notes (gates, selections) from the next forward passes on."""
@@ -348,7 +350,19 @@ class CausalSelfAttention(nn.Module):
         """JSON-ready summaries of the gates recorded in the last forward."""
         return {name: gate_summary(g) for name, g in self.gates.items()}
 
-    # what the rest of the code asks of a variant: the plan, its checks, flops.py
+    @classmethod
+    def selection_unit(cls, cfg):
+        """Positions per unit of the `selection` it notes (a block's size; 1: single keys), or
+        None when it selects nothing (analyze.py's selection figure)."""
+        return None
+
+    # what the rest of the code asks of a variant: the plan, its checks, flops.py, run names
+
+    @classmethod
+    def settings(cls, cfg):
+        """The config fields that set this variant (its sizes and ablations) and that matter
+        given the others; analyze.py names a run by those not at their default."""
+        return ()
 
     @classmethod
     def check_config(cls, cfg):
@@ -390,6 +404,10 @@ class LocalAttention(CausalSelfAttention):
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window)
+
+    @classmethod
+    def settings(cls, cfg):
+        return ("window",)
 
     @classmethod
     def describe(cls, cfg, T):
@@ -456,6 +474,14 @@ class DynamicSparseAttention(CausalSelfAttention):
         if window is None or next_pos < window_from:
             return 0
         return max(0, next_pos - window)
+
+    @classmethod
+    def settings(cls, cfg):
+        if cfg.dsa_window == "none":
+            return ("dsa_gate", "dsa_window")
+        if cfg.dsa_window == "fixed":
+            return ("dsa_gate", "dsa_window", "window")
+        return ("dsa_gate", "dsa_window", "window", "dsa_threshold")
 
     @classmethod
     def describe(cls, cfg, T):
@@ -529,6 +555,8 @@ class ASGAttention(CausalSelfAttention):
     at 0.5, nearly input-independent, at the sigmoid's steepest point.
     """
 
+    DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
+
     def __init__(self, cfg):
         super().__init__(cfg)
         H, D, r = cfg.n_head, cfg.head_dim, cfg.asga_hidden
@@ -578,6 +606,11 @@ class ASGAttention(CausalSelfAttention):
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
+
+    @classmethod
+    def settings(cls, cfg):
+        gate = {"learned": ("asga_hidden", "asga_gate_space"), "fixed": ("window",)}.get(cfg.asga_gate, ())
+        return ("asga_gate", "asga_scale") + gate
 
     @classmethod
     def describe(cls, cfg, T):
@@ -653,6 +686,9 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     0, so every width starts at the middle, W + W'/2 = 384.
     """
 
+    DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
+                ("window", "local window width (tokens) per layer", False))
+
     def __init__(self, cfg):
         super().__init__(cfg)
         norm = nn.LayerNorm(cfg.caa_hidden, elementwise_affine=False) if cfg.caa_gate_norm else nn.Identity()
@@ -713,6 +749,10 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     def check_config(cls, cfg):
         if cfg.caa_window_max < cfg.window:
             raise ValueError(f"caa_window_max={cfg.caa_window_max} must be >= window={cfg.window}")
+
+    @classmethod
+    def settings(cls, cfg):
+        return ("caa_gate", "caa_topk", "window", "caa_window_max", "caa_tau", "caa_hidden", "caa_gate_norm")
 
     @classmethod
     def describe(cls, cfg, T):
@@ -845,6 +885,10 @@ class CombinerAttention(CausalSelfAttention):
     def oldest_key_needed(self, next_pos):
         # Keep the block of the last token: once complete, the next step summarises it.
         return (next_pos - 1) // self.cfg.window * self.cfg.window
+
+    @classmethod
+    def settings(cls, cfg):
+        return ("window",)  # its block
 
     @classmethod
     def describe(cls, cfg, T):
@@ -1048,6 +1092,15 @@ class NativeSparseAttention(CausalSelfAttention):
             raise ValueError(f"nsa_branches={cfg.nsa_branches!r} must be a comma-separated subset of cmp,slc,win")
 
     @classmethod
+    def settings(cls, cfg):
+        return ("nsa_cmp_block", "nsa_cmp_stride", "nsa_block", "nsa_topk", "nsa_window", "nsa_compress",
+                "nsa_branches")
+
+    @classmethod
+    def selection_unit(cls, cfg):
+        return cfg.nsa_block
+
+    @classmethod
     def describe(cls, cfg, T):
         reach = cfg.nsa_topk * cfg.nsa_block
         line = (f"compressed keys of {cfg.nsa_cmp_block} every {cfg.nsa_cmp_stride}, the top {cfg.nsa_topk} blocks of "
@@ -1135,6 +1188,14 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     def check_config(cls, cfg):
         if cfg.moba_block < 1 or cfg.moba_topk < 1:
             raise ValueError(f"moba_block={cfg.moba_block} and moba_topk={cfg.moba_topk} must be >= 1")
+
+    @classmethod
+    def settings(cls, cfg):
+        return ("moba_block", "moba_topk", "moba_full_last")
+
+    @classmethod
+    def selection_unit(cls, cfg):
+        return cfg.moba_block
 
     @classmethod
     def describe(cls, cfg, T):
@@ -1353,6 +1414,14 @@ class IndexerAttention(CausalSelfAttention):
                              f"rotates its first half in pairs (e.g. 32, 64)")
 
     @classmethod
+    def settings(cls, cfg):
+        return ("index_topk", "index_heads", "index_head_dim") + (() if cfg.index_topk else ("window",))
+
+    @classmethod
+    def selection_unit(cls, cfg):
+        return 1  # single keys
+
+    @classmethod
     def describe(cls, cfg, T):
         k = cfg.index_topk or cfg.window
         line = (f"the top {k} keys per query by a lightning indexer of {cfg.index_heads} heads of "
@@ -1542,8 +1611,10 @@ def grid(weights):
 
 
 def show(variant, T=16):
-    """The panels of `variant` side by side, one row per query."""
-    panels = [(label, grid(mixing_weights(variant, T, **settings))) for label, settings in SHOW[variant]]
+    """The panels of `variant` side by side, one row per query (a variant SHOW does not list:
+    one panel at SHOW_SIZES and its defaults)."""
+    panels = [(label, grid(mixing_weights(variant, T, **settings)))
+              for label, settings in SHOW.get(variant, [(variant, {})])]
     width = max(T, *(len(label) for label, _ in panels)) + 3
     lines = ["     " + "".join(label.ljust(width) for label, _ in panels)]
     for t in range(T):
