@@ -21,10 +21,13 @@ reaches it).
 Loss by position (positions.png) is drawn from each run's eval.json (evaluate.py, which
 train.py runs at the end of a run); runs without one are left out of that figure.
 
-nsa, moba and indexer runs get one figure each of what they selected (`selection_stats`):
-how far back the selected blocks or keys lie, by layer, and a selection map; nsa's three
-branch gates by layer x head and by position; the indexer's kept mass (the share of the
-dense attention's mass on the selected keys) and KL over training, from log.jsonl.
+What analyze.py draws beyond every gate's statistics is what the run's attention class
+declares (attention.py): its `settings` name the run, its `DYNAMICS` get a figure over
+training, and a variant that selects (`selection_unit`: nsa, moba, indexer) gets one figure
+of what it selected (`selection_stats`): how far back the selected blocks or keys lie, by
+layer, and a selection map; the gates of its `BRANCHES` (nsa's three) by layer x head and by
+position; the indexer's kept mass (the share of the dense attention's mass on the selected
+keys) and KL over training, from log.jsonl.
 
 Gates by token category, attention maps and selections need the checkpoint and some text: --text (a
 .txt or .jsonl file), else the run's validation shard (train_config's data_dir); without
@@ -36,9 +39,12 @@ import statistics
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+from attention import VARIANTS
 
 DEFAULT_ROOT = "out"  # train.py's out_dir is out/run: one folder per run under out/
 DEFAULTS = dict(out_dir="out/analysis", target_loss=0.0, text="", layer=-1, head=0,
@@ -52,24 +58,6 @@ is are was were be been being am do does did have has had will would can could s
 may might must it its this that these those he him his she her hers they them their we us
 our you your i me my not no who whom whose which what when where why how there here all
 any some each every such""".split())
-
-
-def variant_flags(m):
-    """The model-config flags that name an ablation or a setting of m's variant and that
-    matter given the others (e.g. dsa_threshold only with dsa_window='adaptive')."""
-    return {
-        "full": (),
-        "local": ("window",),
-        "dsa": ("dsa_gate", "dsa_window") + {"none": (), "fixed": ("window",)}.get(
-            m.get("dsa_window"), ("window", "dsa_threshold")),
-        "asga": ("asga_gate", "asga_scale") + {"learned": ("asga_hidden",), "fixed": ("window",)}.get(
-            m.get("asga_gate"), ()),
-        "caa": ("caa_gate", "caa_topk", "window", "caa_window_max", "caa_tau", "caa_hidden"),
-        "nsa": ("nsa_cmp_block", "nsa_cmp_stride", "nsa_block", "nsa_topk", "nsa_window", "nsa_compress",
-                "nsa_branches", "nsa_kv"),
-        "moba": ("moba_block", "moba_topk", "moba_full_last"),
-        "indexer": ("index_topk", "index_heads", "index_head_dim") + (("window",) if not m.get("index_topk") else ()),
-    }.get(m.get("attn"), ())
 
 
 class RunError(Exception):
@@ -163,14 +151,16 @@ def recent_runs(root, max_runs):
 
 
 def describe(run):
-    """'dsa (dsa_window=fixed, window=8)': the variant and its non-default flags."""
+    """'dsa (dsa_window=fixed, window=8)': the variant and its flags that are not at their
+    default, among those its class names (`settings`; a variant no longer in VARIANTS: none)."""
     from model import ModelConfig
 
     defaults = {f.name: f.default for f in fields(ModelConfig)}
-    attn = run["model"]["attn"]
-    flags = [f"{k}={run['model'][k]}" for k in variant_flags(run["model"])
-             if k in run["model"] and run["model"][k] != defaults.get(k)]
-    return attn + (f" ({', '.join(flags)})" if flags else "")
+    m = run["model"]
+    variant = VARIANTS.get(m["attn"])
+    settings = variant.settings(SimpleNamespace(**{**defaults, **m})) if variant else ()
+    flags = [f"{k}={m[k]}" for k in settings if k in m and m[k] != defaults.get(k)]
+    return m["attn"] + (f" ({', '.join(flags)})" if flags else "")
 
 
 def _title(run):
@@ -353,14 +343,11 @@ def plot_gate_history(run, history, path):
 
 
 def plot_variant_dynamics(run, history, path):
-    """asga: softplus(gamma) per head and the mean pair gate over training; caa: the mix
-    gate (share of the local branch) and the learned window width, per layer."""
-    attn = run["model"]["attn"]
-    panels = {"asga": [("scale", "softplus(gamma) per head", True),
-                       ("pair_gate", "mean pair gate s per layer", False)],
-              "caa": [("mix_gate", "mix gate g (local share) per layer", False),
-                      ("window", "local window width (tokens) per layer", False)]}.get(attn, [])
-    panels = [p for p in panels if p[0] in history]
+    """The notes the run's attention class draws over training (its `DYNAMICS`: e.g. asga's
+    softplus(gamma) per head and mean pair gate, caa's mix gate and learned window width, per
+    layer), one panel each; False when it has none in the log."""
+    variant = VARIANTS.get(run["model"]["attn"])
+    panels = [p for p in (variant.DYNAMICS if variant else ()) if p[0] in history]
     if not panels:
         return False
     plt = _plt()
@@ -518,7 +505,8 @@ def plot_gate_by_category(run, by_cat, path):
         ax.set_xticks(range(len(CATEGORIES)),
                       [f"{c}\n(n={by_cat['count'][c]})" for c in CATEGORIES], fontsize=7)
         ax.set(title=f"{name} (mean over heads) by token category")
-        if name != "window":
+        values = [v for per_layer in by_cat[name].values() for v in per_layer if v is not None]
+        if all(0 <= v <= 1 for v in values):  # gates and shares on [0, 1]; widths and distances on their own
             ax.set_ylim(0, 1)
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3, axis="y")
@@ -535,9 +523,9 @@ def capture_attend_inputs(model, idx, layer):
     attn = model.layers[layer].self_attn
     seen = {}
 
-    def spy(q, k, v, x, q_start, k_start):
+    def spy(q, k, v, x, q_start, k_start, cache=None):
         seen.update(q=q, k=k, v=v, x=x, q_start=q_start, k_start=k_start)
-        return type(attn).attend(attn, q, k, v, x, q_start, k_start)
+        return type(attn).attend(attn, q, k, v, x, q_start, k_start, cache)
 
     attn.attend = spy  # shadows the class's method on this instance only
     try:
@@ -586,11 +574,11 @@ def plot_attention(maps, pieces, path):
 
 
 def checkpoint_figures(runs, args, out, figures, notes, selections=None):
-    """Gate by token category (per run), attention maps (all runs, one figure) and, for nsa,
-    moba and indexer runs, what they selected (one figure each; their `selection_stats` go
-    into `selections`), from the checkpoints, on one text for all runs: --text, else the
-    first readable validation shard. Appends to figures and notes; returns {run:
-    gate_by_category(...)}."""
+    """Gate by token category (per run), attention maps (all runs, one figure) and, for runs of
+    a variant that selects (nsa, moba, indexer), what they selected (one figure each; their
+    `selection_stats` go into `selections`), from the checkpoints, on one text for all runs:
+    --text, else the first readable validation shard. Appends to figures and notes; returns
+    {run: gate_by_category(...)}."""
     from model import CheckpointError, load_checkpoint
 
     models = {}
@@ -631,10 +619,9 @@ def checkpoint_figures(runs, args, out, figures, notes, selections=None):
         w = attention_weights(model.layers[layer].self_attn, seen["q"], seen["k"], seen["x"],
                               seen["q_start"], seen["k_start"])  # (1, H, T, T)
         maps.append((f"{_title(run)}\nlayer {layer}, head {head}", w[0, head].numpy()))
-        if model.cfg.attn in SELECTING and selections is not None:
+        if VARIANTS[model.cfg.attn].selection_unit(model.cfg) is not None and selections is not None:
             stats = selections[run["name"]] = selection_stats(model, idx)
-            history = indexer_history(run) if model.cfg.attn == "indexer" else None
-            plot_selection(run, stats, out / f"selection_{run['name']}.png", layer, history)
+            plot_selection(run, stats, out / f"selection_{run['name']}.png", layer, indexer_history(run))
             figures.append((f"selection_{run['name']}.png", f"{run['name']}: what {model.cfg.attn} selected ({source})"))
     if maps:
         pieces = [(decode or str)(t) for t in passage.tolist()]  # ids where the text cannot be had
@@ -643,15 +630,7 @@ def checkpoint_figures(runs, args, out, figures, notes, selections=None):
     return by_category
 
 
-# ----------------------------------------------------------------------------- what nsa, moba and indexer selected
-
-SELECTING = ("nsa", "moba", "indexer")  # the variants whose modules record a `selection`
-
-
-def selection_block(cfg):
-    """Positions per selected unit: nsa_block or moba_block; 1 for the indexer (it selects keys)."""
-    return {"nsa": cfg.nsa_block, "moba": cfg.moba_block}.get(cfg.attn, 1)
-
+# ----------------------------------------------------------------------------- what a selecting variant selected
 
 def selection_distances(selection, block):
     """How far back each selected unit lies from its query, -1 for an empty slot. selection
@@ -665,21 +644,23 @@ def selection_distances(selection, block):
 
 @torch.no_grad()
 def selection_stats(model, idx):
-    """What each layer of an nsa, moba or indexer model selected on idx (N, T), read from the
-    selection its attention modules record (nsa, moba: (N, H, T, n) block numbers, one list
-    per query head; indexer: (N, T, n) key positions shared by the heads; -1 = empty slot).
-    {'attn', 'unit' ('blocks' | 'tokens'), 'block', 'slots' (n), 'layers': [per layer, None
-    for a layer of full attention (moba_full_last)]}, each layer:
+    """What each layer of a selecting model (its class's `selection_unit`: nsa, moba,
+    indexer) selected on idx (N, T), read from the selection its attention modules note
+    (blocks of `selection_unit` positions, e.g. nsa, moba: (N, H, T, n) block numbers, one
+    list per query head; single keys, e.g. the indexer: (N, T, n) key positions shared by the
+    heads; -1 = empty slot). {'attn', 'unit' ('blocks' | 'tokens'), 'block', 'slots' (n),
+    'layers': [per layer, None for a layer that selects nothing (moba_full_last)]}, each layer:
       counts[d]  selected units at distance d (`selection_distances`), summed over sequences,
                  queries, heads and slots, empty slots left out
       mean       their mean distance;  own: the share at distance 0
       recent     the share within the n most recent units (distance < n): what a window of
                  the same budget would have read
       map        (T, J) numpy: the share of heads that selected unit j for query t, first sequence
-      gates      nsa only: {branch: {'by_head': [H] mean over sequences and positions,
-                 'by_position': [T] mean over sequences and heads}} of g_cmp, g_slc, g_win."""
+      gates      for a class with BRANCHES (nsa's g_cmp, g_slc, g_win): {branch: {'by_head':
+                 [H] mean over sequences and positions, 'by_position': [T] mean over
+                 sequences and heads}} of its noted gate_<branch>."""
     cfg = model.cfg
-    block = selection_block(cfg)
+    block = VARIANTS[cfg.attn].selection_unit(cfg)
     model.record_gates(True)
     try:
         model(idx)
@@ -701,7 +682,7 @@ def selection_stats(model, idx):
             chosen = torch.zeros(per_head.shape[1], T, J + 1).scatter_(-1, slot, 1.0)[..., :J]  # (H, T, J)
             entry = {"counts": counts, "mean": picked.float().mean().item(), "own": counts[0] / len(picked),
                      "recent": (picked < slots).float().mean().item(), "map": chosen.mean(0).numpy()}
-            if cfg.attn == "nsa":
+            if attn.BRANCHES:
                 entry["gates"] = {name: {"by_head": attn.gates[f"gate_{name}"].float().mean((0, 1)).tolist(),
                                          "by_position": attn.gates[f"gate_{name}"].float().mean((0, 2)).tolist()}
                                   for name in attn.BRANCHES}
@@ -710,6 +691,11 @@ def selection_stats(model, idx):
         model.record_gates(False)
     return {"attn": cfg.attn, "unit": "tokens" if block == 1 else "blocks", "block": block, "slots": slots,
             "layers": layers}
+
+
+def selected_branches(stats):
+    """The branches whose gates `selection_stats` summarised (nsa's cmp, slc, win), or []."""
+    return next((list(s.get("gates", ())) for s in stats["layers"] if s is not None), [])
 
 
 def indexer_history(run):
@@ -727,13 +713,15 @@ def indexer_history(run):
 
 def plot_selection(run, stats, path, layer, history=None):
     """One figure of what the variant selected: the distance histogram by layer, the selection
-    map of `layer`; nsa: its branch gates by layer x head and by position; indexer: the kept
-    mass and KL over training (history, from `indexer_history`)."""
+    map of `layer`; where it has branch gates (nsa), those by layer x head and by position;
+    where the log has them (the indexer), the kept mass and KL over training (history, from
+    `indexer_history`)."""
     plt = _plt()
-    attn, unit = stats["attn"], stats["unit"]
+    unit = stats["unit"]
     layers = [(l, s) for l, s in enumerate(stats["layers"]) if s is not None]
-    panels = ["distance", "map"] + (["gate_head", "gate_position"] if attn == "nsa" else []) + (
-        ["training"] if attn == "indexer" and history and (history["kl"][0] or len(history["kept"][0])) else [])
+    branches = selected_branches(stats)
+    panels = ["distance", "map"] + (["gate_head", "gate_position"] if branches else []) + (
+        ["training"] if history and (history["kl"][0] or len(history["kept"][0])) else [])
     cols = 2 if len(panels) == 4 else len(panels)
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
@@ -771,16 +759,16 @@ def plot_selection(run, stats, path, layer, history=None):
             heads = "" if unit == "tokens" else "\n(share of heads)"
             ax.set(xlabel=what, ylabel="query", title=f"layer {l}, first sequence: selected {what}s{heads}")
         elif panel == "gate_head":
-            g = np.array([[s["gates"][b]["by_head"] for b in ("cmp", "slc", "win")] for _, s in layers])  # (L, 3, H)
-            L, _, H = g.shape
-            im = ax.imshow(g.transpose(0, 2, 1).reshape(L * H, 3), aspect="auto", cmap="viridis",
+            g = np.array([[s["gates"][b]["by_head"] for b in branches] for _, s in layers])  # (L, branches, H)
+            L, n, H = g.shape
+            im = ax.imshow(g.transpose(0, 2, 1).reshape(L * H, n), aspect="auto", cmap="viridis",
                            vmin=0, vmax=1, interpolation="nearest")
-            ax.set_xticks(range(3), ["cmp", "slc", "win"])
+            ax.set_xticks(range(n), branches)
             ax.set_yticks(range(L * H), [f"L{l}.H{h}" for l, _ in layers for h in range(H)], fontsize=max(3, 7 - L * H // 16))
             ax.set_title("branch gate by layer and head (mean over tokens)")
             fig.colorbar(im, ax=ax, fraction=0.05)
         elif panel == "gate_position":
-            for b, style in zip(("cmp", "slc", "win"), ("-", "--", ":")):
+            for b, style in zip(branches, ("-", "--", ":", "-.")):
                 for l, s in layers:
                     ax.plot(s["gates"][b]["by_position"], style, color=f"C{l % 10}", lw=1,
                             label=f"{b}, layer {l}")
@@ -813,18 +801,17 @@ def plot_selection(run, stats, path, layer, history=None):
 def selection_markdown(name, stats):
     """summary.md's table of one run's selection statistics (`selection_stats`)."""
     unit = stats["unit"]
-    gates = stats["attn"] == "nsa"
+    branches = selected_branches(stats)
     head = f"| layer | mean {unit} back | share at 0 | share within the {stats['slots']} most recent |"
     lines = [f"## {name}: what {stats['attn']} selected", "",
-             head + (" gate cmp | gate slc | gate win |" if gates else ""),
-             "|---|---|---|---|" + ("---|---|---|" if gates else "")]
+             head + "".join(f" gate {b} |" for b in branches),
+             "|---|---|---|---|" + "---|" * len(branches)]
     for l, s in enumerate(stats["layers"]):
         if s is None:
-            lines.append(f"| {l} | full attention | | |" + (" | | |" if gates else ""))
+            lines.append(f"| {l} | full attention | | |" + " |" * len(branches))
             continue
         row = f"| {l} | {s['mean']:.2f} | {s['own']:.3f} | {s['recent']:.3f} |"
-        if gates:
-            row += "".join(f" {np.mean(s['gates'][b]['by_head']):.3f} |" for b in ("cmp", "slc", "win"))
+        row += "".join(f" {np.mean(s['gates'][b]['by_head']):.3f} |" for b in branches)
         lines.append(row)
     return lines + [""]
 

@@ -1,65 +1,157 @@
-"""The attention variants, one readable class each, and the dense reference of the few core
-attention operations they call.
+"""The attention variants. Read top to bottom: for each variant, its definition (dense
+reference functions, the paper's equations in named stages, with their numbers) directly
+above its class, which is only the model-facing glue (projections, gate parameters and their
+initialisation, calling the operations through `self.ops`). `python attention.py` draws which
+keys each query reads under every variant (`--show=NAME` for one).
 
 References (the short names are used everywhere below):
-  [DSA]   "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis" —
-          dynamic head gating with an always-on local window (W = 256).
-  [DSA-A] "Dynamic Sparse Attention for Efficient Language Modeling" — the same head gating,
-          windowed only for sequences longer than 512 tokens.
-  [ASGA]  "Adaptive Sparse-Geometric Attention: A Comprehensive Empirical Analysis".
-  [CAA]   "Context-Adaptive Attention: A Balanced Approach for Efficient Language Modeling".
-  [RoPE]  Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding".
-  [Longformer] Beltagy et al. 2020, "Longformer: The Long-Document Transformer".
+  [DSA]   "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis" (Aardvark,
+          2025; unpublished, no public link) — dynamic head gating, always-on window W = 256.
+  [DSA-A] "Dynamic Sparse Attention for Efficient Language Modeling" (Aardvark, 2025;
+          unpublished) — the same head gating, windowed only past 512 tokens.
+  [ASGA]  "Adaptive Sparse-Geometric Attention: A Comprehensive Empirical Analysis" (Aardvark,
+          2025; unpublished).
+  [CAA]   "Context-Adaptive Attention: A Balanced Approach for Efficient Language Modeling"
+          (Aardvark, 2025; unpublished).
+  [RoPE]  Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding",
+          https://arxiv.org/abs/2104.09864
+  [Longformer] Beltagy et al. 2020, "Longformer: The Long-Document Transformer",
+          https://arxiv.org/abs/2004.05150
   [Flash] Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
-          IO-Awareness" (kernels.py's blockwise loops).
-  [Qwen3] Qwen Team 2025, "Qwen3 Technical Report" (the attention block around every variant).
+          IO-Awareness", https://arxiv.org/abs/2205.14135 (kernels.py's blockwise loops)
+  [Qwen3] Qwen Team 2025, "Qwen3 Technical Report", https://arxiv.org/abs/2505.09388 (the
+          attention block around every variant)
   [Combiner] Ren et al. 2021, "Combiner: Full Attention Transformer with Sparse Computation
-          Cost" (NeurIPS 2021, arXiv 2107.05768) — the "Sparse [Combiner]" row of [CAA]'s table.
+          Cost", https://arxiv.org/abs/2107.05768 (the "Sparse [Combiner]" row of [CAA])
   [NSA]   Yuan et al. 2025, "Native Sparse Attention: Hardware-Aligned and Natively Trainable
-          Sparse Attention" (arXiv 2502.11089).
-  [MoBA]  Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"
-          (arXiv 2502.13189; code: MoonshotAI/MoBA).
-  [DS32]  DeepSeek-AI 2025, "DeepSeek-V3.2: Pushing the Frontier of Open Large Language Models"
-          (arXiv 2512.02556; DeepSeek-V3.2-Exp's code, inference/model.py) — DeepSeek Sparse
-          Attention: a lightning indexer and top-k token selection (the `indexer` variant).
-The four method papers report their runs on FineWeb with a 134M-parameter Qwen model; their
-numbers are quoted in the docstrings below with the paper they come from.
+          Sparse Attention", https://arxiv.org/abs/2502.11089
+  [MoBA]  Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs",
+          https://arxiv.org/abs/2502.13189 (code: https://github.com/MoonshotAI/MoBA)
+  [DS32]  DeepSeek-AI 2025, "DeepSeek-V3.2: Pushing the Frontier of Open Large Language
+          Models", https://arxiv.org/abs/2512.02556 (code: DeepSeek-V3.2-Exp's
+          inference/model.py, https://github.com/deepseek-ai/DeepSeek-V3.2-Exp)
+  Codes that pin down NSA's details (compared in the project's notes on the baselines):
+  [fla]   flash-linear-attention, fla/ops/nsa/naive.py, https://github.com/fla-org/flash-linear-attention
+  [fla-nsa] fla-org's first NSA code, https://github.com/fla-org/native-sparse-attention
+  [xl]    Xunhao Lai's NSA, https://github.com/XunhaoLai/native-sparse-attention-triton
+  [lr]    lucidrains' NSA, https://github.com/lucidrains/native-sparse-attention-pytorch
+The four seed papers report their runs on FineWeb with a 134M-parameter Qwen model; their
+numbers are quoted below with the paper they come from.
 
-Layout: q is (B, H, T, D); k and v are (B, Hkv, S, D) where S counts keys (S = T in a plain
+The map: which keys query t reads, what chooses them, and what mixes the results.
+  variant   query t reads                             chosen by              mixed by
+  full      every key s <= t                          causality              -
+  local     the window t - W <= s <= t                position               -
+  dsa       local's window (all keys while t < 512)   position               a gate g(x_t) per head scales it
+  asga      every key s <= t                          causality              a gate s(q_t, k_s) per pair scales a logit
+  caa       a window of learned width W .. W', and    position; the top q.k  a gate g(x_t) per head mixes the
+            the top ceil(sqrt(t + 1)) keys by q . k                          two softmaxes
+  combiner  its own aligned block, and one summary    position               one softmax over keys and summaries
+            (a max-pooled key) per earlier block
+  nsa       compressed keys (block means), the top-n  position; blocks by    gates g(x_t) per head mix three
+            blocks, and a window                      q . compressed keys    softmaxes
+  moba      its own block and the top k-1 earlier     blocks by q . mean(k)  one softmax over the chosen blocks
+  indexer   the top k keys                            a learned indexer      one softmax over the chosen keys
+The selecting ones in [fla]'s 2 x 2 (fla/ops/dsa/README.md):
+                scored by pooled keys     scored by a learned indexer
+    blocks      nsa, moba                 -
+    tokens      (caa: by the raw q . k)   indexer
+
+Conventions. q is (B, H, T, D); k and v are (B, Hkv, S, D), S counting keys (S = T in a plain
 forward pass, S = cached + T when decoding with a KV cache). Positions enter as two Python
 ints: query t sits at absolute position q_start + t, key s at k_start + s, and the queries
-are the last keys (q_start + T == k_start + S). Every rule is written in terms of these
-absolute positions, never of sequence lengths, so a query's output depends only on its own
-context: prefixes, batches and KV-cache decoding compute the same function. Python ints,
-not position tensors, so nothing is read back from the device (no host sync, no graph break).
+are the last keys (q_start + T == k_start + S). Every rule is written in absolute positions,
+never in sequence lengths, so a query's output depends only on its own context: prefixes,
+batches and KV-cache decoding compute the same function (Python ints, not position tensors,
+so nothing is read back from the device). Grouped-query attention: query head h reads key
+head h // (H / Hkv) (`expand_kv`). Materialising (T, S) score matrices is deliberate in this
+file: it is for reading.
 
-Core operations (same signatures in kernels.py, which holds their fused versions):
-  attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None)
-  pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
-  topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max)
-  combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
-  block_attention(q, k, v, scale, q_start, k_start, block, blocks)
-  selected_attention(q, k, v, scale, q_start, k_start, keys)
-A variant computes its gates, masks and biases once and calls these through
-`self.ops(device)`; which set runs (this file's reference, kernels.py's blockwise CPU path,
-or FlexAttention + SDPA) is decided in `ops` alone. Imports run one way: this file imports
-kernels.py; kernels.py imports nothing from here. Materialising the (T, S) score matrix is
-deliberate in this file: it is for reading.
+Which implementation runs. A variant calls a few operations through `self.ops(device)`: the
+core attentions (`attention`, `pair_gated_attention`, `topk_attention`, `combiner_attention`,
+`block_attention`, `selected_attention`, each defined directly above the first variant that
+uses it) and the stages that need a fast form (nsa's `compressed_attention` and
+`block_scores`, the indexer's `indexer_topk` and `indexer_kl`, asga's recorded
+`mean_pair_gate`). `ops` at the end of this file is the one place that picks this file's
+definitions (kernel='ref') or kernels.py's fast forms of the same functions (chunked,
+checkpointed, fused; tested against these). Imports run one way: kernels.py imports nothing
+from here.
 
-A new variant is a subclass of CausalSelfAttention whose `attend` builds its gates and calls
-the core operations, plus an entry in VARIANTS. A new core operation is a reference function
-here, an `Ops` field, and its versions in kernels.BLOCKWISE and kernels.FLEX.
+A new variant is a subclass of CausalSelfAttention (its reference above it, an entry in
+VARIANTS); a new fast stage is a reference function here, an `Ops` field, and its versions in
+kernels.BLOCKWISE and kernels.FLEX.
 """
-import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 import kernels
 
+# ---------------------------------------------------------------------------- settings
+
+
+@dataclass
+class AttentionConfig:
+    """Every attention setting and its default (model.ModelConfig adds the decoder's sizes).
+    Defaults of the shape are the `tiny` model's; the variants' sizes are for T = 1024 (the
+    cpu preset scales them to T = 256). Each variant's `check_config` rejects sizes it cannot
+    use."""
+    n_head: int = 4  # H, query heads
+    n_kv_head: int = 4  # Hkv, key/value heads; < n_head for grouped-query attention (`expand_kv`)
+    head_dim: int = 16  # D; the scale is 1 / sqrt(D)
+    d_model: int = 64  # the width of the block's input x (gates and the indexer read x)
+    rope_theta: float = 10000.0  # [RoPE]'s base, for the main keys and the indexer's
+    norm_eps: float = 1e-6  # every RMSNorm's eps, q_norm's and k_norm's too (Hugging Face's one rms_norm_eps)
+    attn: str = "full"  # the variant: a key of VARIANTS
+    window: int = 256  # W: a windowed query at i sees i - W .. i (local, dsa, asga fixed, caa); combiner's block
+    kernel: str = "fused"  # ref: this file as written; fused: best for the device; flex; blockwise (`ops`)
+    dsa_gate: bool = True  # the head gate (False: [DSA-A]'s "No Gating")
+    dsa_window: str = "adaptive"  # adaptive ([DSA-A], 4.904) | fixed ([DSA], W=256 always, 4.6498) | none
+    dsa_threshold: int = 512  # adaptive: windowed only for query positions >= this
+    asga_gate: str = "learned"  # learned | fixed (a mask: keys beyond the window excluded) | off
+    asga_gate_space: str = "logit"  # logit: softmax(alpha * s) ([ASGA] eq. 3) | prob: softmax(alpha + log s) (ours)
+    asga_scale: bool = True  # softplus(gamma) per head ([ASGA] eq. 2); False: 1
+    asga_hidden: int = 16  # r, the pair gate's hidden width
+    caa_gate: str = "learned"  # learned | local | global (the mix gate forced to 1 | 0)
+    caa_topk: str = "sqrt"  # sqrt: k_i = ceil(sqrt(i + 1)); all: every visible key
+    caa_hidden: int = 64  # the mix gate MLP's width; for matching a parameter budget (the paper gives none)
+    caa_window_max: int = 512  # W': the learned local width lies in [W, W']
+    caa_tau: float = 8.0  # softness in tokens of the local window's edge; for studying how sharp a learned width acts
+    caa_gate_norm: bool = False  # LayerNorm on the gate MLP's hidden layer ([CAA]'s "careful normalization")
+    nsa_cmp_block: int = 16  # l: positions per compressed key (paper: 32 at 8k tokens)
+    nsa_cmp_stride: int = 8  # d: stride between compressed keys, d | l and d | l' (paper: 16)
+    nsa_block: int = 32  # l': positions per selection block (paper: 64)
+    nsa_topk: int = 8  # n: blocks selected per query, counting the 3 forced ones (paper: 16)
+    nsa_window: int = 128  # the window branch sees t - nsa_window .. t (paper: 512)
+    nsa_compress: str = "mean"  # mean ([fla]) | mlp ([NSA]'s learnable phi, as [lr]): for studying the compressor
+    nsa_branches: str = "cmp,slc,win"  # the branches summed; for [NSA]'s branch ablations, e.g. slc,win
+    moba_block: int = 64  # B: positions per block (paper: 512 at 8k tokens)
+    moba_topk: int = 4  # k: blocks per query, counting its own (paper: 3)
+    index_topk: int = 0  # k: keys per query (0: the window, so indexer and local read as many)
+    index_heads: int = 4  # J, the lightning indexer's heads (paper: 64); for trading its cost against its choice
+    index_head_dim: int = 64  # d^I, their size, RoPE on the first half (paper: 128)
+
+    CHOICES = dict(kernel=("ref", "fused", "flex", "blockwise"), dsa_window=("adaptive", "fixed", "none"),
+                   asga_gate=("learned", "fixed", "off"), asga_gate_space=("logit", "prob"),
+                   caa_gate=("learned", "local", "global"), caa_topk=("sqrt", "all"), nsa_compress=("mean", "mlp"))
+
+    def __post_init__(self):
+        if self.attn not in VARIANTS:
+            raise ValueError(f"unknown attention variant {self.attn!r}; valid: {', '.join(VARIANTS)}")
+        for name, valid in self.CHOICES.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of: {', '.join(valid)}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        VARIANTS[self.attn].check_config(self)
+
+
+# ---------------------------------------------------------------------------- conventions
 
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
@@ -92,9 +184,11 @@ def apply_rope(x_BHTD, cos, sin):
     return (x_BHTD * cos + rotated * sin).to(x_BHTD.dtype)
 
 
-# ---------------------------------------------------------------------------- core operations
-
-expand_kv = kernels.expand_kv  # grouped-query attention: repeat each key/value head for its query heads
+def expand_kv(k_BHSD, n_head):
+    """Grouped-query attention: (B, Hkv, S, D) -> (B, H, S, D), key head g repeated for the
+    G = H / Hkv consecutive query heads g G .. g G + G - 1 that read it (Hugging Face's
+    repeat_kv), so query head h reads key head h // G."""
+    return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 
 def distances(T, S, q_start, k_start, device):
@@ -127,17 +221,32 @@ def masked_softmax_attend(logits_BHTS, mask, v_BHSD):
     return torch.softmax(logits, dim=-1).to(v_BHSD.dtype) @ v_BHSD
 
 
+def softmax_or_zero(logits, mask):
+    """float32 softmax over the allowed entries; a row with none allowed gives all zeros (and
+    zero gradients), as FlexAttention returns for it, instead of NaN."""
+    some = mask.any(-1, keepdim=True)
+    logits = logits.float().masked_fill(~mask, float("-inf")).masked_fill(~some, 0.0)
+    return torch.softmax(logits, dim=-1) * some
+
+
 def per_head(scale):
     """scale: a Python float, or a (H,) tensor (one scale per head) shaped to (1, H, 1, 1)."""
     return scale[None, :, None, None] if torch.is_tensor(scale) else scale
 
 
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------- full
+
 def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
-    """(B, H, T, D): softmax_j(q_t . k_j * scale + bias) v over the keys `allowed` (causal,
-    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias: None, or a function bias(b, h, t, dist) of the batch, head and
-    query index and the query-minus-key distance (index tensors that broadcast), returning
-    the additive logit bias; written once, it is evaluated here on (B, 1, T, S) broadcasts,
-    in kernels.py on its blocks or as a FlexAttention score_mod."""
+    """(B, H, T, D): softmax_s(q_t . k_s * scale + bias) v over the keys `allowed` (causal,
+    windowed if `window`). scale: a float or a (H,) tensor, one per head (`per_head`). bias:
+    None, or a function bias(b, h, t, dist) of the batch, head and query index and the
+    query-minus-key distance (index tensors that broadcast), returning the additive logit
+    bias; written once, it is evaluated here on (B, 1, T, S) broadcasts, in kernels.py on its
+    blocks or as a FlexAttention score_mod."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     k, v = expand_kv(k, H), expand_kv(v, H)
@@ -150,153 +259,15 @@ def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias
     return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device, window, window_from), v)
 
 
-def pair_gate_logit(q_term, k_term, w2, b2):
-    """(B, H, T, S): w2 . GELU(q_term_t + k_term_s) + b2 per head ([ASGA] eq. 1 before its
-    sigmoid). q_term (B, H, T, r), k_term (B, H, S, r), w2 (H, r), b2 (H,). Builds the
-    (B, H, T, S, r) pair tensor: reference only."""
-    hidden = F.gelu(q_term[:, :, :, None, :] + k_term[:, :, None, :, :])  # (B, H, T, S, r)
-    return (hidden * w2[None, :, None, None, :]).sum(-1) + b2[None, :, None, None]
-
-
-def pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
-    """(B, H, T, D): causal attention whose logits alpha = q . k * scale (float or per head)
-    meet a pair gate
-    s = sigmoid(pair_gate_logit): gate_space 'logit' takes softmax(alpha * s) ([ASGA] eq. 3),
-    'prob' takes softmax(alpha + log s), i.e. weights exp(alpha) * s renormalised."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
-    logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
-    z = pair_gate_logit(q_term, k_term, w2, b2)
-    logits = logits * torch.sigmoid(z) if gate_space == "logit" else logits + F.logsigmoid(z)
-    return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device), v)
-
-
-def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
-    """(B, H, T, D): query t attends, with a softmax, to its k_per_query[t] highest-scoring
-    visible keys alone (never a future key, even when fewer are visible). k_max: a Python int
-    >= every k_per_query (the fused paths size their buffers with it)."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
-    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    causal = allowed(T, S, q_start, k_start, q.device)
-    return masked_softmax_attend(logits, topk_mask(logits.detach(), causal, k_per_query), v)
-
-
-def topk_mask(logits, causal, k_per_query):
-    """(B, H, T, S) bool: the k_per_query[t] highest-scoring visible keys of each query."""
-    order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
-    rank = order.argsort(dim=-1)  # rank of each key within its query's row
-    return (rank < k_per_query[:, None]) & causal  # & causal: never a future key
-
-
-def combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
-    """(B, H, T, D): [Combiner]'s factorized attention (§2-3, eqs. 4-9): one softmax over
-    q_t . k_s * scale for the keys s of t's own aligned block of `block` positions, s <= t
-    (direct), and q_t . kbar_r * scale for every block r before t's (one span each), applied
-    to [v_s; vbar_r]. scale: a float. kbar (B, Hkv, R, D), vbar (B, H, R, D): the summaries of
-    blocks 0 .. R-1 (`combiner_summaries`), R >= the last query's block. Plain attention over
-    keys [k; kbar] and values [v; vbar] with one mask."""
-    B, H, T, _ = q.shape
-    S, R = k.shape[2], kbar.shape[2]
-    keys = expand_kv(torch.cat([k, kbar], dim=2), H)  # (B, H, S + R, D)
-    values = torch.cat([expand_kv(v, H), vbar], dim=2)  # (B, H, S + R, D)
-    q_block = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
-    k_block = torch.arange(k_start, k_start + S, device=q.device) // block  # (S,)
-    direct = allowed(T, S, q_start, k_start, q.device) & (k_block == q_block)  # (T, S)
-    span = torch.arange(R, device=q.device) < q_block  # (T, R)
-    logits = (q @ keys.transpose(-2, -1)) * scale  # (B, H, T, S + R)
-    return masked_softmax_attend(logits, torch.cat([direct, span], dim=1), values)
-
-
-def softmax_or_zero(logits, mask):
-    """float32 softmax over the allowed entries; a row with none allowed gives all zeros (and
-    zero gradients), as FlexAttention returns for it, instead of NaN."""
-    some = mask.any(-1, keepdim=True)
-    logits = logits.float().masked_fill(~mask, float("-inf")).masked_fill(~some, 0.0)
-    return torch.softmax(logits, dim=-1) * some
-
-
-def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
-    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s <= t of the blocks that
-    query t lists, v-weighted ([MoBA] eq. 2; [NSA]'s selected branch, eqs. 11-12).
-    blocks (B, H, T, n) long: absolute block numbers floor(position / block), one list per
-    query head, -1 for an empty slot; no gradient (the choice of blocks is discrete). A query
-    whose blocks hold no visible key gets 0. Builds a (B, H, T, S, n) comparison: reference only."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
-    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    key_block = torch.arange(k_start, k_start + S, device=q.device) // block  # (S,)
-    chosen = (blocks[:, :, :, None, :] == key_block[:, None]).any(-1)  # (B, H, T, S)
-    mask = chosen & allowed(T, S, q_start, k_start, q.device)
-    return softmax_or_zero(logits, mask).to(v.dtype) @ v
-
-
-def selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
-    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
-    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
-    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
-    choice: reference only."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
-    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
-    chosen = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device).scatter_(-1, slot, True)[..., :S]
-    mask = chosen[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
-    return softmax_or_zero(logits, mask).to(v.dtype) @ v
-
-
-REFERENCE = kernels.Ops("reference (attention.py, dense)", attention, pair_gated_attention, topk_attention,
-                        combiner_attention, block_attention, selected_attention)
-
-
-def ops(kernel, device):
-    """The one place that picks which implementation of the core operations runs.
-    'ref': this file. 'flex': kernels.py's FlexAttention + SDPA path on any device.
-    'fused': the best path for the device: FlexAttention + SDPA on CUDA; on CPU, where
-    FlexAttention has no backward, kernels.py's blockwise path (faster than the reference
-    at every measured length, see benchmarks/attention.py). 'blockwise': that path on any
-    device (train.py's preflight falls back to it where FlexAttention fails on a GPU)."""
-    if kernel == "ref":
-        return REFERENCE
-    if kernel == "blockwise":
-        return kernels.BLOCKWISE
-    if kernel == "flex" or torch.device(device).type == "cuda":
-        return kernels.FLEX
-    return kernels.BLOCKWISE
-
-
-def attention_path(cfg, device):
-    """One line for the run's plan: which implementation of the core operations runs, e.g.
-    'kernel=fused: FlexAttention + SDPA (kernels.py), compiled, on cuda'."""
-    chosen, kind = ops(cfg.kernel, device), torch.device(device).type
-    how = ""
-    if chosen is kernels.FLEX:
-        how = ", compiled" if kind == "cuda" else ", uncompiled (no backward for q, k, v on CPU)"
-    return f"kernel={cfg.kernel}: {chosen.name}{how}, on {kind}"
-
-
-def gate_summary(gate):
-    """Per-head mean, std and fraction above 0.5 of a gate tensor whose last dim is heads."""
-    g = gate.detach().float().reshape(-1, gate.shape[-1])
-    return {"mean": g.mean(0).tolist(), "std": g.std(0, unbiased=False).tolist(),
-            "frac_gt_half": (g > 0.5).float().mean(0).tolist()}
-
-
-
-# ---------------------------------------------------------------------------- the variants
-
 class CausalSelfAttention(nn.Module):
     """`full`: softmax(q k^T / sqrt(d)) v over every j <= i — the baseline of every paper
     (validation loss 4.9266 at 134M on FineWeb, reported by [DSA], [DSA-A] and [CAA]).
 
     The [Qwen3] attention block around every variant: q, k, v, o projections without bias,
     grouped-query heads (`n_kv_head`), per-head RMSNorm on q and k *before* RoPE,
-    scale 1/sqrt(head_dim).
+    scale 1/sqrt(head_dim). Every variant is this class with its own `attend`; none
+    overrides `forward`. What a variant keeps between decoding steps besides keys and values
+    lives in its KVCache's `state`, which `attend` receives as `cache`.
     """
 
     def __init__(self, cfg):
@@ -307,11 +278,10 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim)
-        self.k_norm = RMSNorm(cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.record = False  # when True, `attend` keeps its gates in self.gates (for analysis)
-        self.gates = {}
+        self.notes = None  # while recording (`record_gates`): {name: tensor} of the last forward
 
     def forward(self, x_BTC, cos, sin, start, cache=None):
         """x: the block's normalized input (B, T, C); cos/sin: (T, D) for positions start ..
@@ -325,11 +295,10 @@ class CausalSelfAttention(nn.Module):
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
         k_start = start
-        if self.record:
-            self.gates = {}
         if cache is not None:
             k, v, k_start = cache.update(k, v, start)  # (B, Hkv, S, D), S = cached + T
-        y = self.attend(q, k, v, x_BTC, start, k_start)  # (B, H, T, D)
+        self.notes = None if self.notes is None else {}  # recording: this forward's notes only
+        y = self.attend(q, k, v, x_BTC, start, k_start, cache)  # (B, H, T, D)
         if cache is not None:
             cache.trim(self.oldest_key_needed(start + T))
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
@@ -337,9 +306,10 @@ class CausalSelfAttention(nn.Module):
     def ops(self, device):
         return ops(self.cfg.kernel, device)
 
-    def attend(self, q, k, v, x, q_start, k_start):
-        """(B, H, T, D) from q (B, H, T, D), k, v (B, Hkv, S, D), the block input x (B, T, C)
-        and the absolute positions of the first query and the first key (Python ints)."""
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
+        """(B, H, T, D) from q (B, H, T, D), k, v (B, Hkv, S, D), the block input x (B, T, C),
+        the absolute positions of the first query and the first key (Python ints), and the
+        layer's KVCache when decoding (for variants that keep more than keys and values)."""
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start)
 
     def oldest_key_needed(self, next_pos):
@@ -350,21 +320,104 @@ class CausalSelfAttention(nn.Module):
         """Set the variant's own parameters to their documented init (Model calls this after
         its generic init, which would otherwise overwrite them)."""
 
+    # what analysis reads: one mechanism, `note`; and what analyze.py draws of the notes
+    DYNAMICS = ()  # (note, caption, a line per head?): drawn over training in a figure of their own
+    BRANCHES = ()  # the branches a gate per branch mixes, each gate noted as gate_<branch> (nsa)
+
+    def record_gates(self, on=True):
+        """Keep what `attend` notes (gates, selections) from the next forward passes on."""
+        self.notes = {} if on else None
+
+    def note(self, name, value):
+        """Keep `value` (a tensor, or a function computing one: run only while recording)
+        under `name` for analysis; a no-op unless recording."""
+        if self.notes is not None:
+            with torch.no_grad():
+                self.notes[name] = (value() if callable(value) else value).detach()
+
+    @property
+    def gates(self):
+        """{name: (B, T, H), (B, T, 1) or (1, 1, H)} gate statistics of the last recorded forward."""
+        return {name: t for name, t in (self.notes or {}).items() if name != "selection"}
+
+    @property
+    def selection(self):
+        """What the last recorded forward selected (nsa, moba: (B, H, T, n) blocks; indexer:
+        (B, T, n) keys), or None."""
+        return (self.notes or {}).get("selection")
+
     def gate_stats(self):
-        """JSON-ready summaries of the gates recorded in the last forward with record=True."""
+        """JSON-ready summaries of the gates recorded in the last forward."""
         return {name: gate_summary(g) for name, g in self.gates.items()}
 
+    @classmethod
+    def selection_unit(cls, cfg):
+        """Positions per unit of the `selection` it notes (a block's size; 1: single keys), or
+        None when it selects nothing (analyze.py's selection figure)."""
+        return None
+
+    # what the rest of the code asks of a variant: the plan, its checks, flops.py, run names
+
+    @classmethod
+    def settings(cls, cfg):
+        """The config fields that set this variant (its sizes and ablations) and that matter
+        given the others; analyze.py names a run by those not at their default."""
+        return ()
+
+    @classmethod
+    def check_config(cls, cfg):
+        """A ValueError naming the setting this variant cannot use (AttentionConfig calls it)."""
+
+    @classmethod
+    def describe(cls, cfg, T):
+        """(what a query of a T-token sequence attends, a line of the printed plan; a warning
+        when that is full attention in disguise, or None)."""
+        return f"none: every key j <= i, of a {T}-token sequence", None
+
+    @classmethod
+    def check_budget(cls, cfg, T):
+        """A ValueError when these settings, at T tokens, are not the method (e.g. a selection
+        covering the whole sequence)."""
+
+    def attention_flops(self, T):
+        """(with gradient, without): forward FLOPs per token of this layer's attention core,
+        averaged over the T positions: 4 H D per (query, key) score (q.k and p.v), flops.py
+        multiplies the first by 3 for training."""
+        return self.per_key() * mean_keys(T, causal_keys), 0.0
+
+    def per_key(self):
+        return 4 * self.n_head * self.head_dim
+
+    def matmul_params(self):
+        """Weights of this layer that multiply every token once (flops.py's N)."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+
+# ---------------------------------------------------------------------------- local
 
 class LocalAttention(CausalSelfAttention):
     """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (sliding window, as in
     [Longformer]; the "Local" row of [CAA], validation loss 5.021). W = cfg.window (256)."""
 
-    def attend(self, q, k, v, x, q_start, k_start):
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window)
 
+    @classmethod
+    def settings(cls, cfg):
+        return ("window",)
+
+    @classmethod
+    def describe(cls, cfg, T):
+        return f"{cfg.window} keys back, of a {T}-token sequence", covers_all("local", cfg.window, T)
+
+    def attention_flops(self, T):
+        return self.per_key() * mean_keys(T, lambda t: causal_keys(t, self.cfg.window)), 0.0
+
+
+# ---------------------------------------------------------------------------- dsa
 
 class DynamicSparseAttention(CausalSelfAttention):
     """`dsa`: dynamic head gating with a local window ([DSA] and [DSA-A]).
@@ -407,14 +460,13 @@ class DynamicSparseAttention(CausalSelfAttention):
             return None, 0
         return cfg.window, (cfg.dsa_threshold if cfg.dsa_window == "adaptive" else 0)
 
-    def attend(self, q, k, v, x, q_start, k_start):
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         window, window_from = self.window()
         y = self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window, window_from)
         if not self.cfg.dsa_gate:
             return y
         g = torch.sigmoid(self.head_gate(x))  # (B, T, H)
-        if self.record:
-            self.gates["head_gate"] = g.detach()
+        self.note("head_gate", g)
         return y * g.transpose(1, 2).unsqueeze(-1).to(y.dtype)
 
     def oldest_key_needed(self, next_pos):
@@ -422,6 +474,56 @@ class DynamicSparseAttention(CausalSelfAttention):
         if window is None or next_pos < window_from:
             return 0
         return max(0, next_pos - window)
+
+    @classmethod
+    def settings(cls, cfg):
+        if cfg.dsa_window == "none":
+            return ("dsa_gate", "dsa_window")
+        if cfg.dsa_window == "fixed":
+            return ("dsa_gate", "dsa_window", "window")
+        return ("dsa_gate", "dsa_window", "window", "dsa_threshold")
+
+    @classmethod
+    def describe(cls, cfg, T):
+        W, of = cfg.window, f", of a {T}-token sequence"
+        if cfg.dsa_window == "fixed":
+            return f"{W} keys back for every query{of}", covers_all("dsa", W, T)
+        if cfg.dsa_window == "adaptive":
+            line = (f"{W} keys back for queries at positions >= {cfg.dsa_threshold} (dsa_threshold), every key "
+                    f"below it{of}")
+            if cfg.dsa_threshold >= T:
+                return line, (f"dsa: dsa_threshold {cfg.dsa_threshold} >= seq_len {T}: no query is windowed, so it "
+                              f"computes full attention; pass --dsa_threshold below {T}")
+            return line, covers_all("dsa", W, T)
+        return super().describe(cfg, T)
+
+    def attention_flops(self, T):
+        window, window_from = self.window()
+        return self.per_key() * mean_keys(T, lambda t: causal_keys(t, window, window_from)), 0.0
+
+
+# ---------------------------------------------------------------------------- asga
+
+def pair_gate_logit(q_term, k_term, w2, b2):
+    """(B, H, T, S): w2 . GELU(q_term_t + k_term_s) + b2 per head ([ASGA] eq. 1 before its
+    sigmoid). q_term (B, H, T, r), k_term (B, H, S, r), w2 (H, r), b2 (H,). Builds the
+    (B, H, T, S, r) pair tensor: reference only."""
+    hidden = F.gelu(q_term[:, :, :, None, :] + k_term[:, :, None, :, :])  # (B, H, T, S, r)
+    return (hidden * w2[None, :, None, None, :]).sum(-1) + b2[None, :, None, None]
+
+
+def pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
+    """(B, H, T, D): causal attention whose logits alpha = q . k * scale (float or per head)
+    meet a pair gate s = sigmoid(pair_gate_logit): gate_space 'logit' takes
+    softmax(alpha * s) ([ASGA] eq. 3), 'prob' takes softmax(alpha + log s), i.e. weights
+    exp(alpha) * s renormalised."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * per_head(scale)  # (B, H, T, S)
+    z = pair_gate_logit(q_term, k_term, w2, b2)
+    logits = logits * torch.sigmoid(z) if gate_space == "logit" else logits + F.logsigmoid(z)
+    return masked_softmax_attend(logits, allowed(T, S, q_start, k_start, q.device), v)
 
 
 class ASGAttention(CausalSelfAttention):
@@ -453,9 +555,7 @@ class ASGAttention(CausalSelfAttention):
     at 0.5, nearly input-independent, at the sigmoid's steepest point.
     """
 
-    # Query rows per chunk of the recorded gate statistic: a (B, H, rows, S, r) transient of
-    # at most RECORD_ELEMENTS elements, whatever T (see `record_pair_gate`).
-    RECORD_ELEMENTS = 1 << 20
+    DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -489,47 +589,70 @@ class ASGAttention(CausalSelfAttention):
         k_term = torch.einsum("bhsd,hdr->bhsr", F.layer_norm(k, (D,)), self.w1_k)
         return q_term + self.b1[None, :, None, :], k_term
 
-    def attend(self, q, k, v, x, q_start, k_start):
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg, op = self.cfg, self.ops(q.device)
         scale = self.scale  # alpha = softplus(gamma) q.k / sqrt(d): one scale per head
         if cfg.asga_scale:
             scale = F.softplus(self.gamma) * self.scale  # (H,)
-            if self.record:
-                self.gates["scale"] = F.softplus(self.gamma).detach()[None, None, :]  # (1, 1, H)
+            self.note("scale", lambda: F.softplus(self.gamma)[None, None, :])  # (1, 1, H)
         if cfg.asga_gate == "off":
             return op.attention(q, k, v, scale, q_start, k_start)
         if cfg.asga_gate == "fixed":
             return op.attention(q, k, v, scale, q_start, k_start, window=cfg.window)
         q_term, k_term = self.pair_terms(q, k)  # (B, H, T, r), (B, H, S, r)
-        if self.record:
-            self.gates["pair_gate"] = self.record_pair_gate(q_term, k_term, q_start, k_start)
+        self.note("pair_gate", lambda: op.mean_pair_gate(q_term, k_term, self.w2, self.b2, q_start, k_start))
         return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
                                        q_start, k_start, cfg.asga_gate_space)
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
 
-    @torch.no_grad()
-    def record_pair_gate(self, q_term, k_term, q_start, k_start):
-        """(B, T, H): each query's mean gate s over its visible keys, computed a chunk of
-        query rows at a time. Memory bound: besides the (B, H, T, r) and (B, H, S, r) terms the
-        forward builds anyway, two (B, H, rows, S, r) transients at a time (the hidden units
-        and their w2-weighted copy) of at most max(RECORD_ELEMENTS, B*H*S*r) elements each:
-        4 MB each in float32 when RECORD_ELEMENTS binds; at T = 2048, B = 16 with the
-        qwen-134m shapes and r = 16 (one query row per chunk), 25 MB each. Not the
-        (B, H, T, S, r) pair tensor (at T = 2048 with the qwen-134m shapes and r = 16:
-        12 * 2048^2 * 16 * 4 bytes = 3.2 GB per sequence)."""
-        B, H, T, r = q_term.shape
-        S = k_term.shape[2]
-        rows = max(1, self.RECORD_ELEMENTS // (B * H * S * r))
-        out = []
-        for t0 in range(0, T, rows):
-            t1 = min(T, t0 + rows)
-            s = torch.sigmoid(pair_gate_logit(q_term[:, :, t0:t1].float(), k_term.float(),
-                                              self.w2.float(), self.b2.float()))  # (B, H, rows, S)
-            mask = allowed(t1 - t0, S, q_start + t0, k_start, s.device)
-            out.append((s * mask).sum(-1) / mask.sum(-1))
-        return torch.cat(out, 2).transpose(1, 2)  # (B, T, H)
+    @classmethod
+    def settings(cls, cfg):
+        gate = {"learned": ("asga_hidden", "asga_gate_space"), "fixed": ("window",)}.get(cfg.asga_gate, ())
+        return ("asga_gate", "asga_scale") + gate
+
+    @classmethod
+    def describe(cls, cfg, T):
+        if cfg.asga_gate == "fixed":
+            return f"{cfg.window} keys back, of a {T}-token sequence", covers_all("asga", cfg.window, T)
+        if cfg.asga_gate == "learned":
+            return f"none: a learned pair gate on every key j <= i, of a {T}-token sequence", None
+        return super().describe(cfg, T)
+
+    def attention_flops(self, T):
+        cfg = self.cfg
+        if cfg.asga_gate == "fixed":
+            return self.per_key() * mean_keys(T, lambda t: causal_keys(t, cfg.window)), 0.0
+        if cfg.asga_gate == "off":
+            return self.per_key() * mean_keys(T, causal_keys), 0.0
+        # the pair MLP per score and head: r units of add, GELU (one), multiply-add with w2
+        return (self.per_key() + 4 * cfg.asga_hidden * self.n_head) * mean_keys(T, causal_keys), 0.0
+
+    def matmul_params(self):  # w1_q and w1_k multiply every token's q and k once
+        learned = self.cfg.asga_gate == "learned"
+        return super().matmul_params() + (self.w1_q.numel() + self.w1_k.numel() if learned else 0)
+
+
+# ---------------------------------------------------------------------------- caa
+
+def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """(B, H, T, D): query t attends, with a softmax, to its k_per_query[t] highest-scoring
+    visible keys alone (never a future key, even when fewer are visible). k_max: a Python int
+    >= every k_per_query (the fused paths size their buffers with it)."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    causal = allowed(T, S, q_start, k_start, q.device)
+    return masked_softmax_attend(logits, topk_mask(logits.detach(), causal, k_per_query), v)
+
+
+def topk_mask(logits, causal, k_per_query):
+    """(B, H, T, S) bool: the k_per_query[t] highest-scoring visible keys of each query."""
+    order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
+    rank = order.argsort(dim=-1)  # rank of each key within its query's row
+    return (rank < k_per_query[:, None]) & causal  # & causal: never a future key
 
 
 class ContextAdaptiveAttention(CausalSelfAttention):
@@ -563,6 +686,9 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     0, so every width starts at the middle, W + W'/2 = 384.
     """
 
+    DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
+                ("window", "local window width (tokens) per layer", False))
+
     def __init__(self, cfg):
         super().__init__(cfg)
         norm = nn.LayerNorm(cfg.caa_hidden, elementwise_affine=False) if cfg.caa_gate_norm else nn.Identity()
@@ -582,22 +708,24 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         pos = torch.arange(q_start, q_start + T, device=device)
         return torch.ceil(torch.sqrt(pos.double() + 1)).long(), math.isqrt(q_start + T - 1) + 1
 
-    def attend(self, q, k, v, x, q_start, k_start):
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg, op = self.cfg, self.ops(q.device)
         T = q.shape[2]
         # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
         local = glob = None
         if cfg.caa_gate != "global":
-            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(self.width(x)[..., 0])  # (B, T)
-            if self.record:
-                self.gates["window"] = width.detach()[..., None]
+            # (B, T), in float32 at least: autocast's Linear gives bf16, where a width in [256, 512]
+            # moves in steps of 2 tokens (and FlexAttention sums the captured width's gradient in its dtype)
+            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
+            self.note("window", lambda: width[..., None])
 
             # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
             # atomic adds of one query's keys, not of every head's (kernels.py, "captured")
             width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
 
             def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                return F.logsigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
+                # (kernels.log_sigmoid: F.logsigmoid fails inside a FlexAttention score_mod on CUDA)
+                return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
             local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
         if cfg.caa_gate != "local":
@@ -606,18 +734,69 @@ class ContextAdaptiveAttention(CausalSelfAttention):
             else:
                 glob = op.topk_attention(q, k, v, self.scale, q_start, k_start, *self.k_per_query(q_start, T, q.device))
         if cfg.caa_gate != "learned":
-            if self.record:
-                self.gates["mix_gate"] = torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
-                                                    device=q.device)
+            self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
+                                                     device=q.device))
             return glob if local is None else local
-        g = torch.sigmoid(self.mix_gate(x))  # (B, T, H)
-        if self.record:
-            self.gates["mix_gate"] = g.detach()
-        g = g.transpose(1, 2).unsqueeze(-1).to(local.dtype)  # (B, H, T, 1)
-        return g * local + (1 - g) * glob
+        g = torch.sigmoid(at_least_float32(self.mix_gate(x)))  # (B, T, H)
+        self.note("mix_gate", g)
+        g = g.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+        # eq. 1, g L + (1 - g) G, written G + g (L - G) in float32 at least: the gate's gradient
+        # is sum_d dy (L - G), which bf16 loses where the branches nearly agree
+        dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
+        return (glob + g * (local - glob)).to(dtype)
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.caa_window_max < cfg.window:
+            raise ValueError(f"caa_window_max={cfg.caa_window_max} must be >= window={cfg.window}")
+
+    @classmethod
+    def settings(cls, cfg):
+        return ("caa_gate", "caa_topk", "window", "caa_window_max", "caa_tau", "caa_hidden", "caa_gate_norm")
+
+    @classmethod
+    def describe(cls, cfg, T):
+        topk = "k_i = ceil(sqrt(i + 1))" if cfg.caa_topk == "sqrt" else "every key (caa_topk=all)"
+        line = (f"local branch {cfg.window} to {cfg.caa_window_max} keys back (learned per token, soft edge "
+                f"{cfg.caa_tau:g}), global branch top-k {topk}, gate {cfg.caa_gate}, of a {T}-token sequence")
+        covers = covers_all("caa", cfg.window, T)
+        return line, (covers.replace("so it computes full attention", "so its local branch is full attention")
+                      if covers and cfg.caa_gate != "global" else None)
+
+    def attention_flops(self, T):
+        cfg, per_key = self.cfg, self.per_key()
+        grad = nograd = 0.0
+        if cfg.caa_gate != "global":  # the local branch reads up to caa_window_max keys
+            grad += per_key * mean_keys(T, lambda t: causal_keys(t, cfg.caa_window_max))
+        if cfg.caa_gate != "local":
+            if cfg.caa_topk == "all":
+                grad += per_key * mean_keys(T, causal_keys)
+            else:  # every visible score to find the top k_i = ceil(sqrt(t + 1)), then attend to those
+                nograd += per_key / 2 * mean_keys(T, causal_keys)
+                grad += per_key * mean_keys(T, lambda t: torch.ceil(torch.sqrt(t + 1)))
+        return grad, nograd
 
 
 # ---------------------------------------------------------------------------- combiner
+
+def combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
+    """(B, H, T, D): [Combiner]'s factorized attention (§2-3, eqs. 4-9): one softmax over
+    q_t . k_s * scale for the keys s of t's own aligned block of `block` positions, s <= t
+    (direct), and q_t . kbar_r * scale for every block r before t's (one span each), applied
+    to [v_s; vbar_r]. scale: a float. kbar (B, Hkv, R, D), vbar (B, H, R, D): the summaries of
+    blocks 0 .. R-1 (`combiner_summaries`), R >= the last query's block. Plain attention over
+    keys [k; kbar] and values [v; vbar] with one mask."""
+    B, H, T, _ = q.shape
+    S, R = k.shape[2], kbar.shape[2]
+    keys = expand_kv(torch.cat([k, kbar], dim=2), H)  # (B, H, S + R, D)
+    values = torch.cat([expand_kv(v, H), vbar], dim=2)  # (B, H, S + R, D)
+    q_block = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
+    k_block = torch.arange(k_start, k_start + S, device=q.device) // block  # (S,)
+    direct = allowed(T, S, q_start, k_start, q.device) & (k_block == q_block)  # (T, S)
+    span = torch.arange(R, device=q.device) < q_block  # (T, R)
+    logits = (q @ keys.transpose(-2, -1)) * scale  # (B, H, T, S + R)
+    return masked_softmax_attend(logits, torch.cat([direct, span], dim=1), values)
+
 
 def combiner_summaries(qbar, k_blocks, v_blocks, scale):
     """One span per completed block r ([Combiner]-Fixed, §3.2):
@@ -667,36 +846,18 @@ class CombinerAttention(CausalSelfAttention):
     summaries of all earlier blocks. s = cfg.window (256). No parameters beyond q, k, v, o.
     Cost O(T (s + T/s)) time and memory (kernels.py), O(T sqrt T) at s ~ sqrt T.
 
-    The summaries are computed here, once per call (`summaries`, O(T D) memory), and handed
-    to the core op `combiner_attention` with the keys and values.
-
     This project's choice: with a KV cache, `cache.state` holds kbar, vbar of every completed
     block and the running max of the queries of the last token's block, and the cache keeps
     that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
     """
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.cache = None  # the KVCache of the forward pass running now, if any (see forward)
-
-    def forward(self, x_BTC, cos, sin, start, cache=None):
-        # `attend` has no cache argument (every variant shares its signature), yet a summary
-        # value needs the max over *all* its block's queries, which earlier decoding steps saw:
-        # so the cache is lent to `summaries` for the duration of this call.
-        if cache is None:
-            return super().forward(x_BTC, cos, sin, start)
-        self.cache = cache
-        try:
-            return super().forward(x_BTC, cos, sin, start, cache)
-        finally:
-            self.cache = None
-
-    def summaries(self, q, k, v, q_start, k_start):
+    def summaries(self, q, k, v, q_start, k_start, cache=None):
         """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
-        query: those cached (KVCache.state) and those completed since, from the keys in k.
+        query: those in cache.state and those completed since, from the keys in k (a summary
+        value needs the max over *all* its block's queries, some seen in earlier steps).
         Queries sit at positions q_start.., keys at k_start.., both runs ending together."""
         s, T = self.cfg.window, q.shape[2]
-        state = {} if self.cache is None else self.cache.state
+        state = {} if cache is None else cache.state
         n = state["kbar"].shape[2] if state else 0  # blocks already summarised
         R = (q_start + T - 1) // s
         if k_start > n * s or (not state and q_start > n * s):
@@ -712,12 +873,12 @@ class CombinerAttention(CausalSelfAttention):
                                         to_blocks(v[:, :, keys], 0, s, 0.0), self.scale)
         if state:
             kbar, vbar = torch.cat([state["kbar"], kbar], 2), torch.cat([state["vbar"], vbar], 2)
-        if self.cache is not None:
-            self.cache.state.update(kbar=kbar, vbar=vbar, qmax=qbar[:, :, -1:])
+        if cache is not None:
+            cache.state.update(kbar=kbar, vbar=vbar, qmax=qbar[:, :, -1:])
         return kbar, vbar
 
-    def attend(self, q, k, v, x, q_start, k_start):
-        kbar, vbar = self.summaries(q, k, v, q_start, k_start)
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
+        kbar, vbar = self.summaries(q, k, v, q_start, k_start, cache)
         return self.ops(q.device).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start,
                                                      self.cfg.window)
 
@@ -725,8 +886,23 @@ class CombinerAttention(CausalSelfAttention):
         # Keep the block of the last token: once complete, the next step summarises it.
         return (next_pos - 1) // self.cfg.window * self.cfg.window
 
+    @classmethod
+    def settings(cls, cfg):
+        return ("window",)  # its block
 
-# ---------------------------------------------------------------------------- block selection (nsa, moba)
+    @classmethod
+    def describe(cls, cfg, T):
+        W = cfg.window
+        return (f"blocks of {W} keys, plus one summary per completed block, of a {T}-token sequence",
+                f"combiner: block {W} >= seq_len {T}: one block, so it computes full attention; pass "
+                f"--window below {T}" if W >= T else None)
+
+    def attention_flops(self, T):
+        s = self.cfg.window  # own block up to t, one summary per earlier block, and building them (s keys a block)
+        return self.per_key() * (mean_keys(T, lambda t: t % s + 1 + torch.div(t, s, rounding_mode="floor")) + 1), 0.0
+
+
+# ---------------------------------------------------------------------------- nsa
 
 def top_blocks(scores, valid, forced, n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
@@ -740,25 +916,42 @@ def top_blocks(scores, valid, forced, n):
     return idx.masked_fill(top == float("-inf"), -1)
 
 
-def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """[NSA]'s compressed branch, dense (C compressed keys, C ~ T / stride): compressed key i
-    summarises positions i*stride .. i*stride + length - 1 and is visible to query t once its
-    last position is <= t ([NSA] eq. 7; [xl], [fla] likewise). Returns the output (B, H, T, D)
-    and the probabilities p (B, H, T, C) in float32, which are also the importance scores of
-    eq. 8 (no separate scorer). A query that sees no compressed key gets 0 ([fla-nsa], [xl])."""
+def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s <= t of the blocks that
+    query t lists, v-weighted ([MoBA] eq. 2; [NSA]'s selected branch, eqs. 11-12).
+    blocks (B, H, T, n) long: absolute block numbers floor(position / block), one list per
+    query head, -1 for an empty slot; no gradient (the choice of blocks is discrete). A query
+    whose blocks hold no visible key gets 0. Builds a (B, H, T, S, n) comparison: reference only."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    key_block = torch.arange(k_start, k_start + S, device=q.device) // block  # (S,)
+    chosen = (blocks[:, :, :, None, :] == key_block[:, None]).any(-1)  # (B, H, T, S)
+    mask = chosen & allowed(T, S, q_start, k_start, q.device)
+    return softmax_or_zero(logits, mask).to(v.dtype) @ v
+
+
+def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride, select):
+    """[NSA]'s compressed branch (eqs. 7-8): compressed key i summarises positions
+    i*stride .. i*stride + length - 1 and is visible to query t once its last position is
+    <= t ([xl], [fla] likewise); a query that sees none gets 0 ([fla-nsa], [xl]). The
+    probabilities p (B, H, T, C) float32 are also eq. 8's importance scores (no separate
+    scorer). Returns the output (B, H, T, D) and select(p, q_start), the blocks p chooses: the
+    fast forms compute p a chunk of queries at a time and keep only the choice."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     visible = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C)
-    p = softmax_or_zero(logits, visible)
-    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), p
+    p = softmax_or_zero(logits, visible)  # p^cmp_t, eq. 8
+    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), select(p, q_start)
 
 
 def block_overlap(C, J, length, stride, block, device):
-    """(C, J): positions compressed block i shares with selection block j, over the stride:
-    [NSA] eq. 9 in its overlap reading ([xl]'s transform_score), the identity when
-    length = stride = block. The readable definition: `block_scores` computes p @ it in O(C)."""
+    """(C, J): positions compressed key i shares with selection block j, over the stride:
+    [NSA] eq. 9 in its overlap reading ([xl]'s transform_score; eq. 9 as printed indexes
+    backwards), the identity when length = stride = block."""
     start = torch.arange(C, device=device)[:, None] * stride
     first = torch.arange(J, device=device) * block
     shared = (torch.minimum(start + length, first + block) - torch.maximum(start, first)).clamp(min=0)
@@ -766,19 +959,29 @@ def block_overlap(C, J, length, stride, block, device):
 
 
 def block_scores(p_cmp, J, length, stride, block):
-    """(.., J) float: p_cmp (.., C) @ block_overlap(C, J, ...) without the (C, J) matrix
-    (eq. 9, the overlap reading), in O(C) per query instead of O(C J): at T = 8192 the
-    matmul was 4x the FLOPs of the compressed branch's own q k^T (J = T / block columns).
-    Compressed block i covers the stride-segments i .. i + length/stride - 1, each holding
-    stride positions worth p_i / stride each, so a segment's mass is the sum of the p_i that
-    cover it (a sliding sum of length/stride terms), and a selection block's score the sum of
-    its block/stride segments. Needs stride | length and stride | block (`check_nsa`)."""
-    covers, per_block = length // stride, block // stride
-    C = p_cmp.shape[-1]
-    segments = sum(F.pad(p_cmp, (shift, covers - 1 - shift)) for shift in range(covers))  # (.., C + covers - 1)
-    n = J * per_block  # segments inside blocks 0 .. J - 1: drop the rest, pad with empty ones
-    segments = segments[..., :n] if C + covers - 1 >= n else F.pad(segments, (0, n - (C + covers - 1)))
-    return segments.unflatten(-1, (J, per_block)).sum(-1)
+    """(.., J): p^slc_j = sum_i p^cmp_i |key i ∩ block j| / stride of blocks 0 .. J-1 ([NSA]
+    eq. 9), p_cmp (.., C)."""
+    return p_cmp @ block_overlap(p_cmp.shape[-1], J, length, stride, block, p_cmp.device)
+
+
+def nsa_top_blocks(scores, q_start, block, n, n_kv_head):
+    """(B, H, T, n): the blocks each query reads ([NSA] eqs. 10-12), from its block scores
+    (B, H, T, J). Eq. 10: the query heads of a key head sum their scores and choose together.
+    §4.1: n counts 3 forced blocks, "the 1 initial block and 2 local blocks": block 0, the
+    query's own and the one before ([xl], [fla]); the rest are the best of its blocks
+    j * block <= t."""
+    B, H, T, J = scores.shape
+    scores = scores.view(B, n_kv_head, H // n_kv_head, T, J).sum(2)  # eq. 10: one choice per key head
+    own = torch.arange(q_start, q_start + T, device=scores.device)[:, None] // block  # (T, 1)
+    j = torch.arange(J, device=scores.device)
+    valid = j <= own
+    forced = valid & ((j == 0) | (j == own) | (j == own - 1))
+    return expand_kv(top_blocks(scores, valid, forced, n), H)
+
+
+def need_every_key(name, k_start):
+    if k_start != 0:
+        raise ValueError(f"{name} needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
 
 
 class NativeSparseAttention(CausalSelfAttention):
@@ -787,7 +990,7 @@ class NativeSparseAttention(CausalSelfAttention):
         o_t = sum_{c in cmp, slc, win} g_t^c Attn(q_t, K_t^c, V_t^c)          ([NSA] eq. 5)
         cmp: K^cmp_i = phi(k over positions i*d .. i*d + l - 1), visible when i*d + l - 1 <= t
         slc: p^cmp = softmax(q_t K^cmp) (eq. 8) -> block scores p^slc (eq. 9) -> the top-n
-             blocks of l' positions (eqs. 11-12); raw keys s <= t of those blocks
+             blocks of l' positions (eqs. 10-12); raw keys s <= t of those blocks
         win: the keys t - W <= s <= t (W + 1 keys: `local`'s rule)
         g_t = sigmoid(W_g x_t + b_g) in R^{3 H}: one gate per branch, head and token (§3.2)
     Three softmaxes over three key sets, mixed after normalisation (so no single mask).
@@ -798,14 +1001,9 @@ class NativeSparseAttention(CausalSelfAttention):
       costs (l D)^2 weights per layer for K and V); nsa_compress='mlp' is [lr]'s form,
       mean(block) + Linear(lD->lD) ReLU Linear(lD->D) over the block plus a learned position
       embedding, its last layer zero-initialised so it starts as the mean. Post-RoPE k pooled.
-    - Eq. 9 as printed indexes backwards; its overlap reading ([xl]) is used: p^slc_j =
-      sum_i p^cmp_i |block i ∩ block j| / d (`block_overlap`). Needs d | l, d | l'.
-    - n counts 3 forced blocks (§4.1: "including fixed activating the 1 initial block and 2
-      local blocks"): block 0, the query's own and the one before ([xl], [fla]).
-    - Eq. 10's sum over a KV group's query heads: one selection per key head.
-    - The paper gives each branch independent keys and values; every reference code shares
-      one projection (nsa_kv='shared', the default). nsa_kv='independent' adds the cmp and
-      win branches' own k, v projections (k_norm and RoPE shared with the main keys).
+    - Eq. 9 in its overlap reading (`block_overlap`). Needs d | l, d | l'.
+    - The paper gives each branch independent keys and values; every reference code ([fla],
+      [fla-nsa], [xl], [lr]) shares one projection, and so does this one.
     - nsa_branches switches branches off ([NSA] ablates them): e.g. 'slc,win'. The scores
       still come from the compressed keys when the cmp branch is off.
     Sizes (`l`, `d`, `l'`, n, W) = nsa_cmp_block, nsa_cmp_stride, nsa_block, nsa_topk,
@@ -816,21 +1014,16 @@ class NativeSparseAttention(CausalSelfAttention):
     """
 
     BRANCHES = ("cmp", "slc", "win")
-    SCORES = 1 << 22  # elements of one chunk's (B, H, chunk, C) compressed-branch scores
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        H, Hkv, D, l = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.nsa_cmp_block
+        D, l = cfg.head_dim, cfg.nsa_cmp_block
         self.branches = cfg.nsa_branches.split(",")
-        self.branch_gate = nn.Linear(cfg.d_model, 3 * H)
+        self.branch_gate = nn.Linear(cfg.d_model, 3 * cfg.n_head)
         if cfg.nsa_compress == "mlp":
             self.compress_mlp = nn.ModuleDict({
                 name: nn.Sequential(nn.Linear(l * D, l * D), nn.ReLU(), nn.Linear(l * D, D)) for name in "kv"})
             self.compress_pos = nn.Parameter(torch.empty(2, l, D))  # intra-block position, for k and v
-        if cfg.nsa_kv == "independent":
-            self.branch_kv = nn.Linear(cfg.d_model, 4 * Hkv * D, bias=False)  # k, v of cmp and of win
-        self.branch_keys = None  # the independent keys of the forward running now (see forward)
-        self.selection = None  # the last recorded selection (B, H, T, n), for analyze.py
         self.init_gates()
 
     def init_gates(self):
@@ -842,134 +1035,133 @@ class NativeSparseAttention(CausalSelfAttention):
                 nn.init.zeros_(mlp[2].weight)
                 nn.init.zeros_(mlp[2].bias)
 
-    def forward(self, x_BTC, cos, sin, start, cache=None):
-        if self.cfg.nsa_kv != "independent":
-            return super().forward(x_BTC, cos, sin, start, cache)
-        B, T, _ = x_BTC.shape
-        kv = self.branch_kv(x_BTC).view(B, T, 4, self.n_kv_head, self.head_dim)
-        k_cmp, v_cmp, k_win, v_win = kv.unbind(2)  # (B, T, Hkv, D) each
-        k_cmp, k_win = (apply_rope(self.k_norm(t).transpose(1, 2), cos, sin) for t in (k_cmp, k_win))
-        extra = [k_cmp, v_cmp.transpose(1, 2), k_win, v_win.transpose(1, 2)]  # (B, Hkv, T, D) each
-        if cache is not None:  # appended like the main keys, which the cache never trims here
-            if "branch_kv" in cache.state:
-                extra = [torch.cat([a, b], 2) for a, b in zip(cache.state["branch_kv"], extra)]
-            cache.state["branch_kv"] = extra
-        self.branch_keys = dict(cmp=extra[:2], win=extra[2:])
-        try:
-            return super().forward(x_BTC, cos, sin, start, cache)
-        finally:
-            self.branch_keys = None
-
     def compress(self, x_BhSD, which):
-        """(B, Hkv, C, D): phi over the windows [i d, i d + l - 1] inside the S keys."""
+        """(B, Hkv, C, D): phi of eq. 7 over the windows [i d, i d + l - 1] inside the S keys."""
         cfg = self.cfg
-        l, d = cfg.nsa_cmp_block, cfg.nsa_cmp_stride
         B, Hkv, S, D = x_BhSD.shape
-        if S < l:
+        if S < cfg.nsa_cmp_block:
             return x_BhSD.new_zeros(B, Hkv, 0, D)
-        windows = x_BhSD.unfold(2, l, d).transpose(-1, -2)  # (B, Hkv, C, l, D)
+        windows = x_BhSD.unfold(2, cfg.nsa_cmp_block, cfg.nsa_cmp_stride).transpose(-1, -2)  # (B, Hkv, C, l, D)
         pooled = windows.mean(3)
         if cfg.nsa_compress == "mlp":
             flat = (windows + self.compress_pos["kv".index(which)]).flatten(-2)  # (B, Hkv, C, l * D)
             pooled = pooled + self.compress_mlp[which](flat).to(pooled.dtype)
         return pooled
 
-    def compressed_branch(self, q, k_cmp, v_cmp, q_start, S):
-        """The compressed branch's output (B, H, T, D) and the blocks each query selects by its
-        probabilities (B, H, T, n), a chunk of queries at a time (`SCORES` elements), each
-        chunk's attention recomputed in the backward (checkpointed, or kernels.py's
-        `CompressedAttention` on the CPU fused path): C ~ T / stride compressed
-        keys per query would otherwise keep (T, C) per head, memory quadratic in T. A chunk
-        takes only the compressed keys its last query can see (causal: the rest would be
-        masked), which halves the branch's work over a sequence."""
+    def select(self, p_cmp, q_start):
+        """(B, H, T, n): the blocks each query reads, from its compressed branch's
+        probabilities p_cmp (B, H, T, C) (eqs. 9-12)."""
         cfg = self.cfg
-        l, d = cfg.nsa_cmp_block, cfg.nsa_cmp_stride
-        k_cmp, v_cmp = self.compress(k_cmp, "k"), self.compress(v_cmp, "v")  # (B, Hkv, C, D)
-        B, H, T, _ = q.shape
-        C = k_cmp.shape[2]
-        rows = max(1, self.SCORES // (B * H * max(1, C)))
+        J = ceil_div(q_start + p_cmp.shape[2], cfg.nsa_block)  # blocks up to the last query's own
+        scores = self.ops(p_cmp.device).block_scores(p_cmp.detach(), J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
+                                                     cfg.nsa_block)  # eq. 9
+        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head)
 
-        # kernel='fused' on CPU: kernels.py's version, which recomputes its probabilities in its
-        # own backward (no checkpoint needed) and masks in place
-        fused = self.ops(q.device) is kernels.BLOCKWISE
-        attend = kernels.blockwise_compressed_attention if fused else compressed_attention
-
-        def chunk(q_chunk, k_seen, v_seen, start):
-            return attend(q_chunk, k_seen, v_seen, self.scale, start, l, d)
-        run = chunk
-        if rows < T and torch.is_grad_enabled() and not fused:
-            run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
-        outs, blocks = [], []
-        for t0 in range(0, T, rows):
-            last = q_start + min(T, t0 + rows) - 1  # the chunk's last query position
-            seen = min(C, max(0, (last - l + 1) // d + 1))  # compressed keys i with i d + l - 1 <= last
-            o_cmp, p_cmp = run(q[:, :, t0:t0 + rows], k_cmp[:, :, :seen], v_cmp[:, :, :seen], q_start + t0)
-            outs.append(o_cmp)
-            blocks.append(self.select(p_cmp, q_start + t0, o_cmp.shape[2], S))
-        return torch.cat(outs, 2), torch.cat(blocks, 2)
-
-    def select(self, p_cmp, q_start, T, S):
-        """(B, H, T, n) the blocks of nsa_block positions each query reads ([NSA] eqs. 8-12)."""
-        cfg = self.cfg
-        B, H = p_cmp.shape[:2]
-        block = cfg.nsa_block
-        J = ceil_div_int(q_start + T, block)  # blocks up to the last query's own
-        scores = block_scores(p_cmp.detach(), J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, block)  # p_cmp @ block_overlap
-        Hkv = self.n_kv_head
-        scores = scores.view(B, Hkv, H // Hkv, T, J).sum(2)  # eq. 10: one choice per key head
-        own = torch.arange(q_start, q_start + T, device=p_cmp.device)[:, None] // block  # (T, 1)
-        j = torch.arange(J, device=p_cmp.device)
-        valid = j <= own  # j * block <= t
-        forced = valid & ((j == 0) | (j == own) | (j == own - 1))
-        return expand_kv(top_blocks(scores, valid, forced, cfg.nsa_topk), H)
-
-    def attend(self, q, k, v, x, q_start, k_start):
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg, op = self.cfg, self.ops(q.device)
-        if k_start != 0:
-            raise ValueError(f"nsa needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
+        need_every_key("nsa", k_start)
         B, H, T, _ = q.shape
-        k_cmp, v_cmp = self.branch_keys["cmp"] if self.branch_keys else (k, v)
-        k_win, v_win = self.branch_keys["win"] if self.branch_keys else (k, v)
-        o_cmp, blocks = self.compressed_branch(q, k_cmp, v_cmp, q_start, k.shape[2])  # (B, H, T, D), (B, H, T, n)
-        out = {"cmp": o_cmp}
+        out = {}
+        out["cmp"], blocks = op.compressed_attention(q, self.compress(k, "k"), self.compress(v, "v"), self.scale,
+                                                     q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, self.select)
         if "slc" in self.branches:
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
         if "win" in self.branches:
-            out["win"] = op.attention(q, k_win, v_win, self.scale, q_start, k_start, window=cfg.nsa_window)
+            out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
         g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H)  # (B, T, branch, H)
-        if self.record:
-            for i, name in enumerate(self.BRANCHES):
-                self.gates[f"gate_{name}"] = g[:, :, i].detach()
-            self.selection = blocks.detach()
-            self.gates["selected_distance"] = block_distance(blocks, q_start, cfg.nsa_block)
+        for i, name in enumerate(self.BRANCHES):
+            self.note(f"gate_{name}", g[:, :, i])
+        self.note("selection", blocks)
+        self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.nsa_block))
         g = g.permute(0, 2, 3, 1).unsqueeze(-1)  # (B, branch, H, T, 1)
-        return sum(g[:, self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)
+        return sum(g[:, self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)  # eq. 5
 
-    def oldest_key_needed(self, next_pos):
-        return 0
+    @classmethod
+    def check_config(cls, cfg):
+        l, d, block = cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block
+        if d < 1 or l % d or block % d or l > block:
+            raise ValueError(f"nsa_cmp_stride={d} must divide nsa_cmp_block={l} and nsa_block={block}, and "
+                             f"nsa_cmp_block <= nsa_block ([NSA] eq. 9), e.g. 8, 16, 32")
+        if cfg.nsa_topk < 3:
+            raise ValueError(f"nsa_topk={cfg.nsa_topk} must be >= 3: it counts the 3 forced blocks "
+                             f"(the first, the query's own and the one before)")
+        if cfg.nsa_window < 0:
+            raise ValueError(f"nsa_window={cfg.nsa_window} must be >= 0")
+        branches = cfg.nsa_branches.split(",")
+        if not branches or len(set(branches)) != len(branches) or set(branches) - set(cls.BRANCHES):
+            raise ValueError(f"nsa_branches={cfg.nsa_branches!r} must be a comma-separated subset of cmp,slc,win")
+
+    @classmethod
+    def settings(cls, cfg):
+        return ("nsa_cmp_block", "nsa_cmp_stride", "nsa_block", "nsa_topk", "nsa_window", "nsa_compress",
+                "nsa_branches")
+
+    @classmethod
+    def selection_unit(cls, cfg):
+        return cfg.nsa_block
+
+    @classmethod
+    def describe(cls, cfg, T):
+        reach = cfg.nsa_topk * cfg.nsa_block
+        line = (f"compressed keys of {cfg.nsa_cmp_block} every {cfg.nsa_cmp_stride}, the top {cfg.nsa_topk} blocks of "
+                f"{cfg.nsa_block} ({reach} keys), a window {cfg.nsa_window} keys back, of a {T}-token sequence")
+        return line, (f"nsa: its {cfg.nsa_topk} selected blocks of {cfg.nsa_block} cover the whole {T}-token sequence, "
+                      f"so its selected branch is full attention; pass a smaller --nsa_topk or --nsa_block"
+                      if reach >= T else None)
+
+    @classmethod
+    def check_budget(cls, cfg, T):
+        if cfg.nsa_topk * cfg.nsa_block > T:
+            raise ValueError(f"--nsa_topk={cfg.nsa_topk} x --nsa_block={cfg.nsa_block} = "
+                             f"{cfg.nsa_topk * cfg.nsa_block} keys > seq_len={T}: the selection would be dense; use nsa_topk in 3 .. "
+                             f"{max(3, T // cfg.nsa_block)}")
+
+    def attention_flops(self, T):
+        cfg, per_key = self.cfg, self.per_key()
+        l, d = cfg.nsa_cmp_block, cfg.nsa_cmp_stride
+        cmp = mean_keys(T, lambda t: torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0))
+        grad = per_key * cmp  # the compressed branch always runs: its scores pick the blocks
+        if "slc" in self.branches:
+            grad += per_key * mean_keys(T, lambda t: block_keys(t, cfg.nsa_block, cfg.nsa_topk))
+        if "win" in self.branches:
+            grad += per_key * mean_keys(T, lambda t: causal_keys(t, cfg.nsa_window))
+        if cfg.nsa_compress == "mlp":  # run once per compressed key (every d positions), for k and v
+            grad += 2 * sum(p.numel() for n, p in self.compress_mlp.named_parameters() if n.endswith("weight")) / d
+        return grad, 0.0
+
+    def matmul_params(self):  # the compressor's MLP runs per compressed key, not per token (attention_flops)
+        mlp = sum(m.weight.numel() for m in self.compress_mlp.modules() if isinstance(m, nn.Linear)) \
+            if self.cfg.nsa_compress == "mlp" else 0
+        return super().matmul_params() - mlp
 
 
-def ceil_div_int(a, b):
-    return -(-a // b)
+# ---------------------------------------------------------------------------- moba
 
-
-def block_distance(blocks, q_start, block):
-    """(B, T, H) float: the mean, over a query's selected blocks, of how many blocks back
-    from its own each lies (0 = its own block), for the recorded statistics."""
-    T = blocks.shape[2]
-    own = torch.arange(q_start, q_start + T, device=blocks.device)[:, None] // block  # (T, 1)
-    ok = blocks >= 0
-    back = ((own - blocks) * ok).sum(-1) / ok.sum(-1).clamp(min=1)  # (B, H, T)
-    return back.float().transpose(1, 2)
+def moba_select(q, k, q_start, block, topk):
+    """(B, H, T, topk): the blocks each query reads ([MoBA] eqs. 5-6), from q (B, H, T, D)
+    and the keys k (B, Hkv, S, D) from position 0.
+        K_bar_j = the mean of k over block j, j B .. j B + B - 1 (complete blocks only)
+        s_j = q_t . K_bar_j                                                   (eq. 5)
+        g_j = 1 iff j is the query's own block, or among the top k - 1 of its
+              earlier blocks j < floor(t / B) by s_j                           (eq. 6)
+    Per query head, in float32, without gradient (the gate is discrete)."""
+    B, H, T, D = q.shape
+    J = ceil_div(q_start + T, block)  # blocks up to the last query's own
+    full = k.shape[2] // block  # complete blocks among the keys
+    means = k[:, :, :full * block].float().view(B, k.shape[1], full, block, D).mean(3)  # (B, Hkv, full, D)
+    scores = q.detach().float() @ expand_kv(means.detach(), H).transpose(-2, -1)  # (B, H, T, full)
+    scores = F.pad(scores, (0, J - full))  # the incomplete block, which only its own queries see
+    own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
+    j = torch.arange(J, device=q.device)
+    return top_blocks(scores, j <= own, j == own, topk)
 
 
 class MixtureOfBlockAttention(CausalSelfAttention):
     """`moba`: Mixture of Block Attention ([MoBA]; Kimi's long-context runs).
 
-        K_bar_j = mean of k over block j (positions j B .. j B + B - 1)
-        s_j = q_t . K_bar_j,  g_j = 1 iff s_j is among the top k          ([MoBA] eqs. 5-6)
-        o_t = softmax over the keys s <= t of the gated blocks of q_t . k_s / sqrt(d), times v
-    One softmax over the union of the selected blocks (eqs. 2-4), no parameters.
+        o_t = softmax over the keys s <= t of the gated blocks (`moba_select`) of
+              q_t . k_s / sqrt(d), times v                              ([MoBA] eqs. 2-4)
+    One softmax over the union of the selected blocks, no parameters.
 
     The paper says, and this project follows ([MoBA] §2.2 and MoonshotAI's moba_naive):
     routing per query token and per head (GQA: per query head); only blocks wholly in the
@@ -977,46 +1169,81 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     and k counts it ("top-k = 3: at most 2 history blocks and the current block"); the
     gate uses post-RoPE q, k in float32 and passes no gradient. moba_topk = 1 means the own
     block alone (the naive code's meaning; MoonshotAI's efficient code would fall back to
-    full attention there). moba_full_last = m makes the last m layers full attention (the
-    paper's layer-wise hybrid, §3.2: 3 of 32 layers for Llama-8B-1M).
+    full attention there). model.py's moba_full_last = m makes the last m layers full
+    attention (the paper's layer-wise hybrid, §3.2: 3 of 32 layers for Llama-8B-1M).
     Sizes: the paper uses B = 512, k = 3 at 8K tokens (Table 1). Here B = moba_block = 64,
     k = moba_topk = 4 at T = 1024 (at most 256 keys, `local`'s budget at W = 256); the cpu
     preset at T = 256: B = 16, k = 4 (at most 64 keys). The KV cache keeps every key.
     """
 
-    def select(self, q, k, q_start, k_start):
-        """(B, H, T, k) the blocks each query reads."""
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg = self.cfg
-        B, H, T, D = q.shape
-        block = cfg.moba_block
-        J = ceil_div_int(q_start + T, block)  # blocks up to the last query's own
-        full = k.shape[2] // block  # complete blocks among the keys (k_start = 0)
-        means = k[:, :, :full * block].float().view(B, k.shape[1], full, block, D).mean(3)  # (B, Hkv, full, D)
-        scores = q.detach().float() @ expand_kv(means.detach(), H).transpose(-2, -1)  # (B, H, T, full)
-        scores = F.pad(scores, (0, J - full))  # the incomplete block, which only its own queries see
-        own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
-        j = torch.arange(J, device=q.device)
-        return top_blocks(scores, j <= own, j == own, cfg.moba_topk)
+        need_every_key("moba", k_start)
+        blocks = moba_select(q, k, q_start, cfg.moba_block, cfg.moba_topk)  # (B, H, T, k)
+        self.note("selection", blocks)
+        self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.moba_block))
+        return self.ops(q.device).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
 
-    def attend(self, q, k, v, x, q_start, k_start):
-        if k_start != 0:
-            raise ValueError(f"moba needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
-        blocks = self.select(q, k, q_start, k_start)
-        if self.record:
-            self.selection = blocks.detach()
-            self.gates["selected_distance"] = block_distance(blocks, q_start, self.cfg.moba_block)
-        return self.ops(q.device).block_attention(q, k, v, self.scale, q_start, k_start, self.cfg.moba_block, blocks)
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.moba_block < 1 or cfg.moba_topk < 1:
+            raise ValueError(f"moba_block={cfg.moba_block} and moba_topk={cfg.moba_topk} must be >= 1")
 
-    def oldest_key_needed(self, next_pos):
-        return 0
+    @classmethod
+    def settings(cls, cfg):
+        return ("moba_block", "moba_topk", "moba_full_last")
 
-# ---------------------------------------------------------------------------- DeepSeek Sparse Attention (indexer)
+    @classmethod
+    def selection_unit(cls, cfg):
+        return cfg.moba_block
+
+    @classmethod
+    def describe(cls, cfg, T):
+        reach = cfg.moba_topk * cfg.moba_block
+        line = (f"its own block and the top {cfg.moba_topk - 1} earlier blocks of {cfg.moba_block} ({reach} keys), "
+                f"of a {T}-token sequence")
+        return line, (f"moba: {cfg.moba_topk} blocks of {cfg.moba_block} cover the whole {T}-token sequence, so it "
+                      f"computes full attention; pass a smaller --moba_topk or --moba_block" if reach >= T else None)
+
+    @classmethod
+    def check_budget(cls, cfg, T):
+        if cfg.moba_topk * cfg.moba_block > T:
+            raise ValueError(f"--moba_topk={cfg.moba_topk} x --moba_block={cfg.moba_block} = "
+                             f"{cfg.moba_topk * cfg.moba_block} keys > seq_len={T}: the selection would be dense; "
+                             f"use moba_topk in 1 .. {max(1, T // cfg.moba_block)}")
+
+    def attention_flops(self, T):
+        B, k = self.cfg.moba_block, self.cfg.moba_topk
+        routing = self.per_key() / 2 * mean_keys(T, lambda t: torch.div(t, B, rounding_mode="floor"))  # q . block means
+        return self.per_key() * mean_keys(T, lambda t: block_keys(t, B, k)), routing
+
+
+# ---------------------------------------------------------------------------- indexer (DeepSeek Sparse Attention)
+
+def selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
+    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
+    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
+    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
+    choice: reference only."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    mask = listed(keys, S)[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
+    return softmax_or_zero(logits, mask).to(v.dtype) @ v
+
+
+def listed(keys, S):
+    """(B, T, S) bool: True at the keys each query lists in keys (B, T, n), -1 = none."""
+    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
+    return torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=keys.device).scatter_(-1, slot, True)[..., :S]
+
 
 def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
     """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
     -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
-    its keys (one per token, shared by the J heads), w (B, T, J) its head weights. Builds a
-    (B, T, J, S) tensor: callers pass a chunk of queries at a time."""
+    its keys (one per token, shared by the J heads), w (B, T, J) its head weights."""
     B, T, J, d = q_BTJD.shape
     S = k_BSD.shape[1]
     dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)
@@ -1037,6 +1264,30 @@ def top_keys(scores, n):
     top, order = recent_first.sort(dim=-1, descending=True, stable=True)
     keys = S - 1 - order[..., :n]
     return keys.masked_fill(top[..., :n] == float("-inf"), -1)
+
+
+@torch.no_grad()
+def indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
+    """(B, T, min(n, S)) long: each query's top keys by the lightning indexer (eq. 1, `top_keys`)."""
+    return top_keys(lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
+
+
+def indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """L^I ([DS32] §2.1, eqs. 3-4): the mean over queries of KL(p_t || softmax(I[t, :])) over
+    the visible keys (keys None: the dense warm-up) or over the listed keys (B, T, n) (the
+    sparse stage). p_t: the main attention's probabilities (q, k without gradient) summed over
+    heads and L1-normalised; I = lightning_scores, with gradient (into the indexer alone)."""
+    B, H, T, _ = q.shape
+    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S), -inf where not visible
+    with torch.no_grad():
+        logits = (q.detach().float() @ expand_kv(k.detach().float(), H).transpose(-2, -1)) * scale
+        visible = scores.isfinite()[:, None]  # (B, 1, T, S)
+        if keys is not None:
+            visible = visible & listed(keys, k.shape[2])[:, None]
+        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): summed over heads, L1-normalised
+    log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
+    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
+    return kl.sum() / (B * T)
 
 
 class LightningIndexer(nn.Module):
@@ -1081,65 +1332,47 @@ class IndexerAttention(CausalSelfAttention):
         S_t = the min(k, t + 1) visible keys of highest I[t, :]
         u_t = softmax over s in S_t of q_t . k_s / sqrt(d), times v          ([DS32] eq. 2)
     One selection per query, shared by every head ([DS32]'s code adds one -inf mask to all
-    heads). Ties go to the most recent key (`top_keys`). The main attention is `full`'s, over
-    S_t; the selection passes no gradient.
-
-    Training ([DS32] §2.1, eqs. 3-4): the indexer learns only from
-        L^I = mean_t KL(p_t || softmax(I[t, :]))  over the visible keys (dense warm-up)
-                                                   or over S_t only (sparse stage),
-    p_t = the main attention's probabilities over that set, summed over heads and
-    L1-normalised, without gradient; the indexer's input x is detached, so the main model
-    learns from the language-model loss alone and the indexer from L^I alone. After a forward
-    in training mode, L^I is `self.indexer_loss` (a scalar; train.py adds it to the loss).
-    `dense_warmup = True` attends over every visible key (the paper's dense warm-up); a module
-    as built attends sparsely (dense_warmup = False); train.py switches it for its first
-    --indexer_warmup steps. The mean over tokens (the paper writes a sum) makes L^I
-    independent of batch and length.
+    heads); ties go to the most recent key (`top_keys`); the selection passes no gradient.
+    Training ([DS32] §2.1): the indexer learns from L^I alone (`indexer_kl`, eqs. 3-4; its
+    input x is detached), the main model from the language-model loss alone. After a forward
+    in training mode L^I is `self.indexer_loss`, which train.py adds to the loss.
+    `dense_warmup = True` attends to every visible key and fits L^I over them (the paper's
+    dense warm-up; train.py sets it for its first --indexer_warmup steps); as built, the
+    module is sparse. The mean over tokens (the paper writes a sum) keeps L^I independent of
+    batch and length.
 
     What this project chose apart from the paper: no MLA and no query latent (the indexer
     reads x); no FP8 and no Hadamard rotation (numerics for speed). Sizes: index_heads = 4 of
     index_head_dim = 64 (the paper: 64 of 128; 4 x 64 against our 12 x 64 heads keeps the
     paper's indexer-to-attention cost per score); k = index_topk, 0 meaning the window, so
-    `indexer` and `local` see as many keys per query (the paper: 2048 at up to 128K).
-    The scores are dense O(T^2) by design (the paper's are), computed a chunk of queries at a
-    time (`SCORES` elements), so no (T, S) tensor per head is kept. The KV cache keeps every
-    key and every indexer key (a later query may select any).
+    `indexer` and `local` see as many keys per query (the paper: 2048 at up to 128K). The
+    scores are dense O(T^2) by design (the paper's are). The KV cache keeps every key, and
+    its `state` every indexer key (a later query may select any).
     """
-
-    SCORES = 1 << 22  # elements of one chunk's (B, chunk, heads, S) scores
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.indexer = LightningIndexer(cfg)
         self.dense_warmup = False
-        self.indexer_loss = None  # L^I of the last training-mode forward
-        self.kept_mass = None  # share of the dense attention's mass on the selected keys (recorded)
-        self.cache = None  # the KV cache of the forward running now (for the indexer keys)
-        self.selection = None  # the last recorded selection (B, T, n), for analyze.py
+        self.loss = LossSlot()
+
+    @property
+    def indexer_loss(self):
+        """L^I of the last forward in training mode; None after one in eval mode."""
+        return self.loss.value
 
     @property
     def topk(self):
         return self.cfg.index_topk or self.cfg.window
 
-    def __getstate__(self):
-        # a copy (copy.deepcopy, pickling) drops the last forward's loss, which holds its graph
-        return dict(self.__dict__, indexer_loss=None, selection=None)
-
-    def forward(self, x_BTC, cos, sin, start, cache=None):
-        self.cache = cache
-        try:
-            return super().forward(x_BTC, cos, sin, start, cache)
-        finally:
-            self.cache = None
-
-    def index_inputs(self, x, q_start, k_start, S):
+    def index_inputs(self, x, q_start, S, cache=None):
         """The indexer's queries, weights (for the T queries in x) and keys (for the S keys),
-        from the detached x; with a KV cache the earlier keys come from it."""
+        from the detached x; with a KV cache the earlier keys come from its state."""
         q_idx, k_idx, w = self.indexer(x.detach(), q_start)
-        if self.cache is not None:
-            if "index_keys" in self.cache.state:
-                k_idx = torch.cat([self.cache.state["index_keys"], k_idx], dim=1)  # (B, S, d)
-            self.cache.state["index_keys"] = k_idx
+        if cache is not None:
+            if "index_keys" in cache.state:
+                k_idx = torch.cat([cache.state["index_keys"], k_idx], dim=1)  # (B, S, d)
+            cache.state["index_keys"] = k_idx
         if k_idx.shape[1] != S:
             raise ValueError(f"indexer: {k_idx.shape[1]} indexer keys for {S} keys; decode through the model's "
                              f"KV cache, which keeps them")
@@ -1149,92 +1382,60 @@ class IndexerAttention(CausalSelfAttention):
         """(B, T, S) float32 scores I of the queries q_start .. among the keys k_start ..;
         x (B, S, C): the block's normalised inputs at the key positions k_start .., the
         queries being its last T = k_start + S - q_start. -inf where a key is not visible."""
-        S = x.shape[1]
         q_idx, k_idx, w = self.indexer(x.detach(), k_start)
-        T = k_start + S - q_start
-        return torch.cat([lightning_scores(q_idx[:, S - T + t0:S - T + t1], k_idx, w[:, S - T + t0:S - T + t1],
-                                           q_start + t0, k_start)
-                          for t0, t1 in self.chunks(x.shape[0], T, S)], dim=1)
+        first = q_start - k_start
+        return lightning_scores(q_idx[:, first:], k_idx, w[:, first:], q_start, k_start)
 
-    def chunks(self, B, T, S):
-        rows = max(1, self.SCORES // (B * max(self.n_head, self.cfg.index_heads) * S))
-        return [(t0, min(T, t0 + rows)) for t0 in range(0, T, rows)]
-
-    @torch.no_grad()
-    def select(self, q_idx, k_idx, w, q_start, k_start):
-        """(B, T, n) long: each query's top-n keys by the indexer (`top_keys`), n = min(k, S)."""
-        n = min(self.topk, k_idx.shape[1])
-        return torch.cat([top_keys(lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start), n)
-                          for t0, t1 in self.chunks(q_idx.shape[0], q_idx.shape[1], k_idx.shape[1])], dim=1)
-
-    def attend(self, q, k, v, x, q_start, k_start):
+    def attend(self, q, k, v, x, q_start, k_start, cache=None):
         op = self.ops(q.device)
-        q_idx, k_idx, w = self.index_inputs(x, q_start, k_start, k.shape[2])
-        keys = None
+        q_idx, k_idx, w = self.index_inputs(x, q_start, k.shape[2], cache)
+        keys = None  # the dense warm-up: every visible key
         if self.dense_warmup:
             y = op.attention(q, k, v, self.scale, q_start, k_start)
         else:
-            keys = self.select(q_idx, k_idx, w, q_start, k_start)  # (B, T, n)
-            y = op.selected_attention(q, k, v, self.scale, q_start, k_start, keys)
-        self.indexer_loss = self.kl_loss(q, k, q_idx, k_idx, w, q_start, k_start, keys) if self.training else None
-        if self.record:
-            self.selection = keys
-            self.record_selection(q, k, q_idx, k_idx, w, q_start, k_start, keys)
+            keys = op.indexer_topk(q_idx, k_idx, w, q_start, k_start, self.topk)  # S_t, (B, T, n)
+            y = op.selected_attention(q, k, v, self.scale, q_start, k_start, keys)  # eq. 2
+            self.note("selection", keys)
+            self.note("selected_distance", lambda: key_distance(keys, q_start, k_start))
+            self.note("kept_mass", lambda: kept_mass(q, k, self.scale, keys, q_start, k_start))
+        self.loss.value = (op.indexer_kl(q, k, self.scale, q_idx, k_idx, w, q_start, k_start, keys)
+                           if self.training else None)
         return y
 
-    def kl_loss(self, q, k, q_idx, k_idx, w, q_start, k_start, keys):
-        """L^I, the mean over queries of KL(p_t || softmax(I[t, :])) over the visible keys
-        (keys None: the dense warm-up) or over the listed keys (B, T, n) (the sparse stage).
-        p from q, k without gradient; I with gradient into the indexer alone. A chunk of queries
-        at a time, each chunk checkpointed, so no (T, S) tensor per head is kept."""
-        B, T = q_idx.shape[:2]
-        run = self.kl_chunk
-        if torch.is_grad_enabled():
-            run = functools.partial(torch.utils.checkpoint.checkpoint, self.kl_chunk, use_reentrant=False)
-        total = 0.0
-        for t0, t1 in self.chunks(B, T, k.shape[2]):
-            total = total + run(q[:, :, t0:t1], k, q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start,
-                                None if keys is None else keys[:, t0:t1])
-        return total / (B * T)
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.index_topk < 0 or (cfg.index_topk == 0 and cfg.window < 1):
+            raise ValueError(f"index_topk={cfg.index_topk} must be >= 1 (keys per query; 0 takes the "
+                             f"window, {cfg.window}, which must then be >= 1)")
+        if cfg.index_heads < 1:
+            raise ValueError(f"index_heads={cfg.index_heads} must be >= 1")
+        if cfg.index_head_dim < 4 or cfg.index_head_dim % 4:
+            raise ValueError(f"index_head_dim={cfg.index_head_dim} must be a positive multiple of 4: RoPE "
+                             f"rotates its first half in pairs (e.g. 32, 64)")
 
-    def kl_chunk(self, q, k, q_idx, k_idx, w, q_start, k_start, keys):
-        """The sum over the chunk's queries of KL(p_t || softmax(I_t)) (see `kl_loss`)."""
-        S = k.shape[2]
-        scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, c, S), -inf where not visible
-        with torch.no_grad():
-            logits = (q.detach().float() @ expand_kv(k.detach().float(), self.n_head).transpose(-2, -1)) * self.scale
-            visible = scores.isfinite()[:, None]  # (B, 1, c, S)
-            if keys is not None:
-                slot = torch.where(keys < 0, S, keys)
-                chosen = torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=q.device)
-                visible = visible & chosen.scatter_(-1, slot, True)[..., :S][:, None]
-            target = softmax_or_zero(logits, visible).mean(1)  # (B, c, S): summed over heads, L1-normalised
-        log_q = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
-        kl = torch.xlogy(target, target) - target * log_q.masked_fill(target == 0, 0.0)
-        return kl.sum()
+    @classmethod
+    def settings(cls, cfg):
+        return ("index_topk", "index_heads", "index_head_dim") + (() if cfg.index_topk else ("window",))
 
-    @torch.no_grad()
-    def record_selection(self, q, k, q_idx, k_idx, w, q_start, k_start, keys):
-        """For analyze.py: the mean distance of the selected keys (B, T, 1) and the share of
-        the dense attention's mass (summed over heads, normalised) they hold (B, T, 1)."""
-        if keys is None:
-            return
-        T = q.shape[2]
-        q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]  # (T, 1)
-        ok = keys >= 0
-        dist = ((q_pos - k_start - keys) * ok).sum(-1) / ok.sum(-1).clamp(min=1)  # (B, T)
-        self.gates["selected_distance"] = dist.float()[..., None]
-        logits = (q.float() @ expand_kv(k.float(), self.n_head).transpose(-2, -1)) * self.scale  # (B, H, T, S)
-        p = masked_softmax_attend_probs(logits, allowed(T, k.shape[2], q_start, k_start, q.device)).mean(1)
-        self.gates["kept_mass"] = p.gather(-1, keys.clamp(min=0)).masked_fill(~ok, 0.0).sum(-1)[..., None]
+    @classmethod
+    def selection_unit(cls, cfg):
+        return 1  # single keys
 
-    def oldest_key_needed(self, next_pos):
-        return 0
+    @classmethod
+    def describe(cls, cfg, T):
+        k = cfg.index_topk or cfg.window
+        line = (f"the top {k} keys per query by a lightning indexer of {cfg.index_heads} heads of "
+                f"{cfg.index_head_dim} (index_topk{'' if cfg.index_topk else ' = the window'}), "
+                f"of a {T}-token sequence")
+        return line, (f"indexer: {k} keys per query cover the whole {T}-token sequence, so it computes full "
+                      f"attention; pass --index_topk below {T}" if k >= T else None)
 
-
-def masked_softmax_attend_probs(logits, mask):
-    """softmax over the allowed keys in float32 (the probabilities `masked_softmax_attend` uses)."""
-    return torch.softmax(logits.float().masked_fill(~mask, float("-inf")), dim=-1)
+    def attention_flops(self, T):
+        cfg, per_key = self.cfg, self.per_key()
+        full = mean_keys(T, causal_keys)
+        index = (2 * cfg.index_heads * cfg.index_head_dim + 2 * cfg.index_heads) * full  # I[t, s]: J dots, ReLU, weight
+        kl_target = per_key / 2 * full  # the main q.k over the visible keys (no gradient)
+        return per_key * mean_keys(T, lambda t: torch.clamp(t + 1, max=self.topk)) + index, kl_target
 
 
 VARIANTS = {
@@ -1248,3 +1449,185 @@ VARIANTS = {
     "moba": MixtureOfBlockAttention,
     "indexer": IndexerAttention,
 }
+
+
+# ---------------------------------------------------------------------------- outside the methods
+# What the plan (`describe`), flops.py (`attention_flops`) and analysis (`note`) use, and
+# the indexer's loss slot.
+
+def covers_all(name, W, T):
+    """The plan's warning when a window of W keys back covers a T-token sequence, or None."""
+    return (f"{name}: window {W} covers the whole {T}-token sequence (a query has at most {T - 1} keys "
+            f"before it), so it computes full attention; pass --window below {T - 1}") if W >= T - 1 else None
+
+
+def mean_keys(T, keys):
+    """The mean over positions t = 0 .. T-1 of keys(t), a tensor function of t (float64)."""
+    return keys(torch.arange(T, dtype=torch.float64, device="cpu")).mean().item()
+
+
+def causal_keys(t, window=None, window_from=0):
+    """Keys a causal query at t sees: t + 1, or window + 1 at positions >= window_from."""
+    if window is None:
+        return t + 1
+    return torch.where(t >= window_from, torch.clamp(t + 1, max=window + 1), t + 1)
+
+
+def block_keys(t, block, n):
+    """Keys of n selected blocks of `block` positions: the own block up to t, plus up to n - 1
+    complete earlier ones (nsa's and moba's selection)."""
+    return t % block + 1 + block * torch.clamp(torch.div(t, block, rounding_mode="floor"), max=n - 1)
+
+
+def gate_summary(gate):
+    """Per-head mean, std and fraction above 0.5 of a gate tensor whose last dim is heads."""
+    g = gate.detach().float().reshape(-1, gate.shape[-1])
+    return {"mean": g.mean(0).tolist(), "std": g.std(0, unbiased=False).tolist(),
+            "frac_gt_half": (g > 0.5).float().mean(0).tolist()}
+
+
+def mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start):
+    """(B, T, H) float32: each query's mean gate s over its visible keys (what analysis records)."""
+    T, S = q_term.shape[2], k_term.shape[2]
+    s = torch.sigmoid(pair_gate_logit(q_term.float(), k_term.float(), w2.float(), b2.float()))  # (B, H, T, S)
+    mask = allowed(T, S, q_start, k_start, s.device)
+    return ((s * mask).sum(-1) / mask.sum(-1)).transpose(1, 2)
+
+
+def block_distance(blocks, q_start, block):
+    """(B, T, H) float: the mean, over a query's selected blocks, of how many blocks back
+    from its own each lies (0 = its own block), for the recorded statistics."""
+    T = blocks.shape[2]
+    own = torch.arange(q_start, q_start + T, device=blocks.device)[:, None] // block  # (T, 1)
+    ok = blocks >= 0
+    back = ((own - blocks) * ok).sum(-1) / ok.sum(-1).clamp(min=1)  # (B, H, T)
+    return back.float().transpose(1, 2)
+
+
+def key_distance(keys, q_start, k_start):
+    """(B, T, 1): the mean distance of each query's selected keys (recorded statistics)."""
+    q_pos = torch.arange(q_start, q_start + keys.shape[1], device=keys.device)[:, None]  # (T, 1)
+    ok = keys >= 0
+    return (((q_pos - k_start - keys) * ok).sum(-1) / ok.sum(-1).clamp(min=1)).float()[..., None]
+
+
+def kept_mass(q, k, scale, keys, q_start, k_start):
+    """(B, T, 1): the share of the dense attention's mass (summed over heads, normalised) on
+    each query's selected keys (recorded statistics)."""
+    T, S = q.shape[2], k.shape[2]
+    logits = (q.float() @ expand_kv(k.float(), q.shape[1]).transpose(-2, -1)) * scale  # (B, H, T, S)
+    p = torch.softmax(logits.masked_fill(~allowed(T, S, q_start, k_start, q.device), float("-inf")), -1).mean(1)
+    return p.gather(-1, keys.clamp(min=0)).masked_fill(keys < 0, 0.0).sum(-1)[..., None]
+
+
+class LossSlot:
+    """The auxiliary loss of a module's last training-mode forward. A copy of the module
+    (copy.deepcopy) gets an empty slot: the loss holds that forward's autograd graph, which
+    belongs to it and cannot be copied."""
+    value = None
+
+    def __deepcopy__(self, memo):
+        return LossSlot()
+
+
+# ---------------------------------------------------------------------------- which implementation runs
+
+REFERENCE = kernels.Ops(
+    name="reference (attention.py, dense)", attention=attention, pair_gated_attention=pair_gated_attention,
+    topk_attention=topk_attention, combiner_attention=combiner_attention, block_attention=block_attention,
+    selected_attention=selected_attention, compressed_attention=compressed_attention, block_scores=block_scores,
+    indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate)
+
+
+def ops(kernel, device):
+    """The one place that picks which implementation of the operations runs.
+    'ref': this file. 'flex': kernels.py's FlexAttention + SDPA path on any device.
+    'fused': the best path for the device: FlexAttention + SDPA on CUDA; on CPU, where
+    FlexAttention has no backward, kernels.py's blockwise path (faster than the reference
+    at every measured length, see benchmarks/attention.py). 'blockwise': that path on any
+    device (train.py's preflight falls back to it where FlexAttention fails on a GPU)."""
+    if kernel == "ref":
+        return REFERENCE
+    if kernel == "blockwise":
+        return kernels.BLOCKWISE
+    if kernel == "flex" or torch.device(device).type == "cuda":
+        return kernels.FLEX
+    return kernels.BLOCKWISE
+
+
+def attention_path(cfg, device):
+    """One line for the run's plan: which implementation of the core operations runs, e.g.
+    'kernel=fused: FlexAttention + SDPA (kernels.py), compiled, on cuda'."""
+    chosen, kind = ops(cfg.kernel, device), torch.device(device).type
+    how = ""
+    if chosen is kernels.FLEX:
+        how = ", compiled" if kind == "cuda" else ", uncompiled (no backward for q, k, v on CPU)"
+    return f"kernel={cfg.kernel}: {chosen.name}{how}, on {kind}"
+
+
+# ---------------------------------------------------------------------------- see it: python attention.py
+
+# Small sizes that make each pattern visible in 16 tokens: (label, settings) per panel.
+SHOW = {
+    "full": [("full", {})],
+    "local": [("local, window 4", dict(window=4))],
+    "dsa": [("dsa, window 4 from position 8", dict(window=4, dsa_threshold=8))],
+    "asga": [("asga, learned gate (every key, reweighted)", {}),
+             ("asga_gate=fixed, window 4", dict(asga_gate="fixed", window=4))],
+    "caa": [("caa local branch, width 4..6", dict(window=4, caa_window_max=6, caa_gate="local")),
+            ("global branch, top ceil(sqrt(t+1))", dict(window=4, caa_window_max=6, caa_gate="global")),
+            ("the two mixed by g", dict(window=4, caa_window_max=6))],
+    "combiner": [("combiner, blocks of 4 (earlier ones via summaries)", dict(window=4))],
+    "nsa": [("nsa cmp: means of 2 every 2", dict(nsa_branches="cmp")),
+            ("slc: 4 blocks of 2", dict(nsa_branches="slc")),
+            ("win: 2 back", dict(nsa_branches="win")),
+            ("the three, gated", {})],
+    "moba": [("moba, blocks of 4, top 2", dict(moba_block=4, moba_topk=2))],
+    "indexer": [("indexer, top 4 keys", dict(index_topk=4))],
+}
+SHOW_SIZES = dict(n_head=2, n_kv_head=1, head_dim=8, d_model=16, asga_hidden=4, caa_hidden=8, nsa_cmp_block=2,
+                  nsa_cmp_stride=2, nsa_block=2, nsa_topk=4, nsa_window=2, index_heads=2, index_head_dim=8)
+
+
+@torch.no_grad()
+def mixing_weights(variant, T=16, seed=0, **settings):
+    """(T, T): the weight with which query t (row) mixes the value of key s (column) under
+    `variant` (head 0), through this file's reference: every variant is linear in v, so with
+    one-hot values (v = the identity, one column per key) its output is its mixing matrix."""
+    cfg = AttentionConfig(attn=variant, kernel="ref", **{**SHOW_SIZES, **settings})
+    torch.manual_seed(seed)
+    module = VARIANTS[variant](cfg).eval()
+    q = torch.randn(1, cfg.n_head, T, cfg.head_dim)
+    k = torch.randn(1, cfg.n_kv_head, T, cfg.head_dim)
+    v = torch.eye(T).expand(1, cfg.n_kv_head, T, T)
+    return module.attend(q, k, v, torch.randn(1, T, cfg.d_model), 0, 0)[0, 0]
+
+
+def grid(weights):
+    """Rows of characters: '#' a key the query reads (weight > 0), '.' an earlier key it does
+    not read, ' ' a future key."""
+    T = weights.shape[0]
+    return ["".join("#" if weights[t, s] > 0 else "." if s <= t else " " for s in range(T)) for t in range(T)]
+
+
+def show(variant, T=16):
+    """The panels of `variant` side by side, one row per query (a variant SHOW does not list:
+    one panel at SHOW_SIZES and its defaults)."""
+    panels = [(label, grid(mixing_weights(variant, T, **settings)))
+              for label, settings in SHOW.get(variant, [(variant, {})])]
+    width = max(T, *(len(label) for label, _ in panels)) + 3
+    lines = ["     " + "".join(label.ljust(width) for label, _ in panels)]
+    for t in range(T):
+        lines.append(f"{t:3d}  " + "".join(rows[t].ljust(width) for _, rows in panels))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Which keys each query reads, for a 16-token example: '#' read, "
+                                                 "'.' an earlier key not read (rows: queries, columns: keys).")
+    parser.add_argument("--show", choices=list(VARIANTS), help="one variant (default: every one)")
+    args = parser.parse_args()
+    for name in [args.show] if args.show else VARIANTS:
+        print(show(name), end="\n\n")

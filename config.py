@@ -259,7 +259,10 @@ def parse_args(argv, doc=""):
         if "warmup_new_steps" in given and tc.warmup_new_steps:
             fail(f"--warmup_new_steps={tc.warmup_new_steps} needs --init_from: from scratch every parameter is new")
         mc = model_config(tc, model_keys)
-    check_budget(mc, tc.seq_len)
+    try:  # a selection covering the whole sequence would be dense attention: the class says when
+        VARIANTS[mc.attn].check_budget(mc, tc.seq_len)
+    except ValueError as e:
+        fail(str(e))
     if tc.eval_seqs < 0:
         fail(f"--eval_seqs={tc.eval_seqs}: must be >= 0 (0 turns loss by position off)")
     if mc.attn == "indexer" and not 0 <= tc.indexer_warmup <= tc.max_steps:
@@ -382,16 +385,6 @@ def new_parameters(model):
 def fold_layers(names):
     """Parameter names with layer numbers folded into '*', in order, each once."""
     return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))
-
-
-def check_budget(mc, seq_len):
-    """nsa and moba select blocks: a selection covering the whole sequence is dense attention."""
-    if mc.attn == "nsa" and mc.nsa_topk * mc.nsa_block > seq_len:
-        fail(f"--nsa_topk={mc.nsa_topk} x --nsa_block={mc.nsa_block} = {mc.nsa_topk * mc.nsa_block} keys > "
-             f"seq_len={seq_len}: the selection would be dense; use nsa_topk in 3 .. {max(3, seq_len // mc.nsa_block)}")
-    if mc.attn == "moba" and mc.moba_topk * mc.moba_block > seq_len:
-        fail(f"--moba_topk={mc.moba_topk} x --moba_block={mc.moba_block} = {mc.moba_topk * mc.moba_block} keys > "
-             f"seq_len={seq_len}: the selection would be dense; use moba_topk in 1 .. {max(1, seq_len // mc.moba_block)}")
 
 
 def model_config(tc, overrides):
@@ -541,55 +534,6 @@ DRY_RUN_ACTIONS = {"start": "start a new run in", "resume": "resume the run in",
 FOLDER_LINES = {"start": "new run", "resume": "resuming", "refuse": "a real run would refuse it: see the last line"}
 
 
-def window_plan(mc, seq_len):
-    """(what a query of a seq_len-token sequence sees under mc's variant, printed in the plan;
-    a warning when a window covers the whole sequence, so the variant is full attention, or None)."""
-    T, W, v = seq_len, mc.window, mc.attn
-    of = f", of a {T}-token sequence"
-    covers = (f"{v}: window {W} covers the whole {T}-token sequence (a query has at most {T - 1} keys "
-              f"before it), so it computes full attention; pass --window below {T - 1}") if W >= T - 1 else None
-    if v == "local" or (v == "asga" and mc.asga_gate == "fixed"):
-        return f"{W} keys back{of}", covers
-    if v == "dsa" and mc.dsa_window == "fixed":
-        return f"{W} keys back for every query{of}", covers
-    if v == "dsa" and mc.dsa_window == "adaptive":
-        line = f"{W} keys back for queries at positions >= {mc.dsa_threshold} (dsa_threshold), every key below it{of}"
-        if mc.dsa_threshold >= T:
-            return line, (f"dsa: dsa_threshold {mc.dsa_threshold} >= seq_len {T}: no query is windowed, so it "
-                          f"computes full attention; pass --dsa_threshold below {T}")
-        return line, covers
-    if v == "caa":
-        topk = "k_i = ceil(sqrt(i + 1))" if mc.caa_topk == "sqrt" else "every key (caa_topk=all)"
-        line = (f"local branch {W} to {mc.caa_window_max} keys back (learned per token, soft edge "
-                f"{mc.caa_tau:g}), global branch top-k {topk}, gate {mc.caa_gate}{of}")
-        return line, (covers.replace("so it computes full attention", "so its local branch is full attention")
-                      if covers and mc.caa_gate != "global" else None)
-    if v == "combiner":
-        return (f"blocks of {W} keys, plus one summary per completed block{of}",
-                f"combiner: block {W} >= seq_len {T}: one block, so it computes full attention; pass "
-                f"--window below {T}" if W >= T else None)
-    if v == "nsa":
-        reach = mc.nsa_topk * mc.nsa_block
-        line = (f"compressed keys of {mc.nsa_cmp_block} every {mc.nsa_cmp_stride}, the top {mc.nsa_topk} blocks of "
-                f"{mc.nsa_block} ({reach} keys), a window {mc.nsa_window} keys back{of}")
-        return line, (f"nsa: its {mc.nsa_topk} selected blocks of {mc.nsa_block} cover the whole {T}-token sequence, "
-                      f"so its selected branch is full attention; pass a smaller --nsa_topk or --nsa_block"
-                      if reach >= T else None)
-    if v == "moba":
-        reach = mc.moba_topk * mc.moba_block
-        line = f"its own block and the top {mc.moba_topk - 1} earlier blocks of {mc.moba_block} ({reach} keys){of}"
-        return line, (f"moba: {mc.moba_topk} blocks of {mc.moba_block} cover the whole {T}-token sequence, so it "
-                      f"computes full attention; pass a smaller --moba_topk or --moba_block" if reach >= T else None)
-    if v == "indexer":
-        k = mc.index_topk or W
-        line = (f"the top {k} keys per query by a lightning indexer of {mc.index_heads} heads of "
-                f"{mc.index_head_dim} (index_topk{'' if mc.index_topk else ' = the window'}){of}")
-        return line, (f"indexer: {k} keys per query cover the whole {T}-token sequence, so it computes full "
-                      f"attention; pass --index_topk below {T}" if k >= T else None)
-    gate = "a learned pair gate on " if v == "asga" and mc.asga_gate == "learned" else ""
-    return f"none: {gate}every key j <= i{of}", None
-
-
 def shards_command(tc, mc, local=False):
     """The data.py command that makes enough shards for this run in tc.data_dir: bytes for a
     byte model (vocab_size <= 256, or a folder recorded as bytes), else GPT-2 BPE tokens.
@@ -630,7 +574,7 @@ def print_plan(tc, mc, run, accum, action):
         data_line = f"no shards found at {tc.data_dir}" + (f" ({problem})" if "does not exist" not in problem else "")
     else:
         data_line = f"{found:,} training tokens found in {tc.data_dir}: {planned / found:.2f} epochs"
-    window_line, window_warning = window_plan(mc, tc.seq_len)
+    window_line, window_warning = VARIANTS[mc.attn].describe(mc, tc.seq_len)
     precision = ("bfloat16 autocast, float32 master weights" if run["dtype"] == "bfloat16" else "float32")
     if run["device"].startswith("cuda"):
         precision += ", TF32 matmuls"

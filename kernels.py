@@ -1,4 +1,4 @@
-"""Fused versions of attention.py's core attention operations, with the same signatures:
+"""Fast forms of attention.py's operations, with the same signatures (`Ops`):
 
   attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None)
   pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space)
@@ -6,8 +6,16 @@
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
   selected_attention(q, k, v, scale, q_start, k_start, keys)
+  compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride, select)   (nsa)
+  block_scores(p_cmp, J, length, stride, block)                                   (nsa)
+  indexer_topk(q_idx, k_idx, w, q_start, k_start, n)                              (indexer)
+  indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)                (indexer)
+  mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
 
-(attention.py documents what each computes; the variants there call them.) Two sets:
+(attention.py documents what each computes; its variants call them through attention.ops,
+the one place that picks a set.) Two sets; the last five are the same in both: a chunk of
+queries at a time, so memory stays linear in T, and `sliding_block_scores` for eq. 9's
+product (see "both sets" below).
 
 FLEX, the GPU path (also forced on any device by kernel='flex'): plain causal attention
 through F.scaled_dot_product_attention (flash on CUDA); everything else through
@@ -58,9 +66,8 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see (attention.compressed_attention, which also returns the probabilities that
-  select the blocks); the backward recomputes them. Not one of the shared ops: nsa's class
-  calls it for its chunks on this path.
+  keys it can see, returning the probabilities that select the blocks too; the backward
+  recomputes them (FLEX: the dense chunk, checkpointed).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
@@ -77,6 +84,7 @@ The benchmark is benchmarks/attention.py.
 """
 import contextlib
 import functools
+import math
 import os
 from collections import namedtuple
 
@@ -122,8 +130,10 @@ def one_thread():
 
 
 NEG_INF = float("-inf")
+# The operations a variant calls through attention.ops: the core attentions, and the stages of
+# a variant that need a fast form (attention.py defines each; its docstring says what it computes).
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
-                       "selected_attention")
+                       "selected_attention compressed_attention block_scores indexer_topk indexer_kl mean_pair_gate")
 
 
 def expand_kv(k_BHSD, n_head):
@@ -344,7 +354,7 @@ class BandAttention(torch.autograd.Function):
             torch.bmm(ds, band.bands(kbuf, i0, i1), out=dq[i])
             # One (L, Bq) x (Bq, D) matmul per band, then its n + 1 sub-blocks of Bq key rows
             # added where the bands overlap: n + 1 small matmuls on strided slices of p and ds
-            # ran at a few GFLOP/s (issue 24's profile: baddbmm_ 40% of the band's time).
+            # ran at a few GFLOP/s (profiled: baddbmm_ was 40% of the band's time).
             for grad, w, x in ((dv, p, do[i]), (dk, ds, qb[i])):
                 g = torch.bmm(w.transpose(1, 2), x, out=work_k.view(-1)[:(i1 - i0) * L * D].view(i1 - i0, L, D))
                 for m in range(band.n + 1):  # sub-block m of every band: Bq rows of the key buffer
@@ -636,7 +646,7 @@ class TopkAttention(torch.autograd.Function):
             shape = (G, t1 - t0, K)
             dense = work[:G * (t1 - t0) * K].view(shape).zero_().scatter_(-1, idx, p)
             # bmm into a contiguous buffer, then add: baddbmm_ into the slice dv[:, :K] ran as
-            # one addmm_ per row g (issue 24's profile: 384 calls, a fifth of the op's time)
+            # one addmm_ per row g (profiled: 384 calls, a fifth of the op's time)
             dv[:, :K] += torch.bmm(dense.transpose(1, 2), dob, out=work_kd[:G * K * D].view(G, K, D))
             dp = torch.bmm(dob, v[:, :K].transpose(1, 2), out=work_dp[:dense.numel()].view(shape)).gather(-1, idx)
             dlogits = p * (dp - (dp * p).sum(-1, keepdim=True))  # softmax's backward
@@ -666,7 +676,7 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
     s keys followed by the R summaries, with one (n, s, s + R) mask (causal inside the
     block, summary r visible to block n when r < first_block + n). Why: the einsum, mask,
     concatenation and softmax of each block done op by op spent more time copying than
-    multiplying (issue 24's profile: aten::copy_ 44% of a training step). The only copies
+    multiplying (profiled: aten::copy_ was 44% of a training step). The only copies
     left are the summaries repeated once per block, (n, R, D), and GQA's key heads: memory
     O(T D + n R D + T (s + R)) (the mask), time O(T (s + R) D). Without summaries (R = 0:
     one block, as at train.py's CPU preset) it is SDPA's causal attention over each block."""
@@ -945,12 +955,12 @@ class CompressedAttention(torch.autograd.Function):
         return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None, None
 
 
-def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention through `CompressedAttention` (float32; scale a float),
-    for nsa's chunks of queries: a chunk needs no checkpoint, the function keeps O(T D). The
-    query heads of a key head are stacked along the rows, so k_cmp and v_cmp enter as views:
-    nsa's chunks each keep the compressed keys they see, and copies (expand_kv) would make
-    that (T / chunk) * C * D, quadratic in T."""
+def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """One chunk of queries of attention.compressed_attention through `CompressedAttention`
+    (float32; scale a float): no checkpoint needed, the function keeps O(T D). The query
+    heads of a key head are stacked along the rows, so k_cmp and v_cmp enter as views: the
+    chunks each keep the compressed keys they see, and copies (expand_kv) would make that
+    (T / chunk) * C * D, quadratic in T. Returns the output and the probabilities."""
     with torch.autocast(q.device.type, enabled=False):
         B, H, T, D = q.shape
         Hkv = k_cmp.shape[1]
@@ -1004,9 +1014,176 @@ def _selected_chunk(q, k, v, keys, first):
     return torch.einsum("bkgcn,bkcnd->bkgcd", p, values_g).reshape(B, H, c, D)
 
 
-BLOCKWISE = Ops("blockwise (kernels.py, CPU loops, float32)", blockwise_attention,
-                blockwise_pair_gated_attention, blockwise_topk_attention, blockwise_combiner_attention,
-                blockwise_block_attention, blockwise_selected_attention)
+# ---------------------------------------------------------------------------- both sets: stages a chunk of queries at a time
+# nsa's compressed branch, the indexer's scores and its KL loss, and asga's recorded gate
+# statistic read every visible key of every query: dense, each keeps a (T, S) tensor per head
+# (or per indexer head). Here they run a chunk of queries at a time, each chunk at most these
+# many elements, so memory stays linear in T.
+COMPRESSED_SCORES = 1 << 22  # (B, H, chunk, C) compressed-branch scores
+INDEX_SCORES = 1 << 22  # (B, chunk, heads, S) indexer scores or main attention logits
+RECORD_ELEMENTS = 1 << 20  # (B, H, chunk, S, r) pair-gate hidden units (4 MB in float32)
+
+
+def query_chunks(T, per_query, budget):
+    """(t0, t1): the T queries in chunks of at most `budget` elements at `per_query` each
+    (one query at least)."""
+    rows = max(1, budget // per_query)
+    return [(t0, min(T, t0 + rows)) for t0 in range(0, T, rows)]
+
+
+def _softmax_or_zero(logits, mask):
+    """attention.softmax_or_zero: float32 softmax over the allowed entries, 0 for a row with none."""
+    some = mask.any(-1, keepdim=True)
+    logits = logits.float().masked_fill(~mask, NEG_INF).masked_fill(~some, 0.0)
+    return torch.softmax(logits, dim=-1) * some
+
+
+def _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """attention.compressed_attention's output and probabilities for one chunk of queries, as
+    written there (FLEX's chunks, checkpointed: in the autocast dtype on a GPU)."""
+    B, H, T, _ = q.shape
+    C = k_cmp.shape[2]
+    logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
+    q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    p = _softmax_or_zero(logits, torch.arange(C, device=q.device) * stride + length - 1 <= q_pos)
+    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), p
+
+
+def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride, select):
+    """attention.compressed_attention a chunk of queries at a time (`COMPRESSED_SCORES`):
+    C ~ T / stride compressed keys per query would otherwise keep (T, C) per head, memory
+    quadratic in T. A chunk takes only the compressed keys its last query can see (causal:
+    the rest would be masked), which halves the branch's work over a sequence; `select` runs
+    on each chunk's probabilities, so only their choice is kept. checkpoint: recompute each
+    chunk in the backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
+    B, H, T, _ = q.shape
+    C = k_cmp.shape[2]
+    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES)
+    run = chunk
+    if checkpoint and len(chunks) > 1 and torch.is_grad_enabled():
+        run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
+    outs, chosen = [], []
+    for t0, t1 in chunks:
+        last = q_start + t1 - 1  # the chunk's last query position
+        seen = min(C, max(0, (last - length + 1) // stride + 1))  # compressed keys i with i stride + length - 1 <= last
+        out, p = run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride)
+        outs.append(out)
+        chosen.append(select(p, q_start + t0))
+    return torch.cat(outs, 2), torch.cat(chosen, 2)
+
+
+blockwise_compressed_attention = functools.partial(_compressed_in_chunks, _blockwise_compressed_chunk, False)
+flex_compressed_attention = functools.partial(_compressed_in_chunks, _compressed_chunk, True)
+
+
+def sliding_block_scores(p_cmp, J, length, stride, block):
+    """attention.block_scores, p_cmp (.., C) @ block_overlap(C, J, ...), without the (C, J)
+    matrix, in O(C) per query instead of O(C J): at T = 8192 the matmul was 4x the FLOPs of
+    the compressed branch's own q k^T (J = T / block columns). Compressed key i covers the
+    stride-segments i .. i + length/stride - 1, each holding stride positions worth
+    p_i / stride each, so a segment's mass is the sum of the p_i that cover it (a sliding sum
+    of length/stride terms), and a selection block's score the sum of its block/stride
+    segments. Needs stride | length and stride | block (nsa's check_config)."""
+    covers, per_block = length // stride, block // stride
+    C = p_cmp.shape[-1]
+    segments = sum(F.pad(p_cmp, (shift, covers - 1 - shift)) for shift in range(covers))  # (.., C + covers - 1)
+    n = J * per_block  # segments inside blocks 0 .. J - 1: drop the rest, pad with empty ones
+    segments = segments[..., :n] if C + covers - 1 >= n else F.pad(segments, (0, n - (C + covers - 1)))
+    return segments.unflatten(-1, (J, per_block)).sum(-1)
+
+
+def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
+    """attention.lightning_scores ([DS32] eq. 1) as written there, for a chunk of queries."""
+    B, T, J, d = q_idx.shape
+    S = k_idx.shape[1]
+    dots = torch.einsum("btjd,bsd->btjs", q_idx.float(), k_idx.float()) / math.sqrt(d)  # (B, T, J, S)
+    scores = (F.relu(dots) * w.float()[..., None]).sum(2)  # (B, T, S)
+    q_pos = q_start + torch.arange(T, device=q_idx.device)[:, None]
+    return scores.masked_fill(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
+
+
+def _top_keys(scores, n):
+    """attention.top_keys as written there: the n best keys, ties to the most recent, -1 past
+    the visible ones."""
+    S = scores.shape[-1]
+    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
+    if S < n:
+        recent_first = F.pad(recent_first, (0, n - S), value=NEG_INF)
+    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
+    return (S - 1 - order[..., :n]).masked_fill(top[..., :n] == NEG_INF, -1)
+
+
+@torch.no_grad()
+def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
+    """attention.indexer_topk a chunk of queries at a time (`INDEX_SCORES`): the (B, T, J, S)
+    scores never exist at once."""
+    B, T, J, _ = q_idx.shape
+    S = k_idx.shape[1]
+    chunks = query_chunks(T, B * J * S, INDEX_SCORES)
+    return torch.cat([_top_keys(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
+                                min(n, S)) for t0, t1 in chunks], dim=1)
+
+
+def _kl_chunk(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """The sum over a chunk's queries of attention.indexer_kl's KL(p_t || softmax(I_t)), as
+    written there."""
+    S = k.shape[2]
+    scores = _lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, c, S), -inf where not visible
+    with torch.no_grad():
+        logits = (q.detach().float() @ expand_kv(k.detach().float(), q.shape[1]).transpose(-2, -1)) * scale
+        visible = scores.isfinite()[:, None]  # (B, 1, c, S)
+        if keys is not None:
+            slot = torch.where(keys < 0, S, keys)
+            chosen = torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=q.device)
+            visible = visible & chosen.scatter_(-1, slot, True)[..., :S][:, None]
+        p = _softmax_or_zero(logits, visible).mean(1)  # (B, c, S)
+    log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], NEG_INF), dim=-1)
+    return (torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)).sum()
+
+
+def chunked_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """attention.indexer_kl a chunk of queries at a time (`INDEX_SCORES`), each chunk
+    checkpointed, so no (T, S) tensor per head is kept for the backward."""
+    B, H, T, _ = q.shape
+    S, J = k.shape[2], q_idx.shape[2]
+    run = _kl_chunk
+    if torch.is_grad_enabled():
+        run = functools.partial(torch.utils.checkpoint.checkpoint, _kl_chunk, use_reentrant=False)
+    total = 0.0
+    for t0, t1 in query_chunks(T, B * max(H, J) * S, INDEX_SCORES):
+        total = total + run(q[:, :, t0:t1], k, scale, q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start,
+                            None if keys is None else keys[:, t0:t1])
+    return total / (B * T)
+
+
+@torch.no_grad()
+def chunked_mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start):
+    """attention.mean_pair_gate a chunk of query rows at a time: besides the (B, H, T, r) and
+    (B, H, S, r) terms the forward builds anyway, two (B, H, rows, S, r) transients at a time
+    (the hidden units and their w2-weighted copy) of at most max(RECORD_ELEMENTS, B H S r)
+    elements each: 4 MB each in float32 when RECORD_ELEMENTS binds; at T = 2048, B = 16 with
+    the qwen-134m shapes and r = 16 (one query row per chunk), 25 MB each. Not the
+    (B, H, T, S, r) pair tensor (at T = 2048 with those shapes: 3.2 GB per sequence)."""
+    B, H, T, r = q_term.shape
+    S = k_term.shape[2]
+    w2, b2 = w2.float()[None, :, None, None], b2.float()[None, :, None, None]
+    out = []
+    for t0, t1 in query_chunks(T, B * H * S * r, RECORD_ELEMENTS):
+        hidden = F.gelu(q_term[:, :, t0:t1, None, :].float() + k_term[:, :, None, :, :].float())  # (B, H, rows, S, r)
+        s = torch.sigmoid((hidden * w2).sum(-1) + b2)  # (B, H, rows, S), [ASGA] eq. 1
+        dist = (q_start + torch.arange(t0, t1, device=s.device)[:, None]) - (k_start + torch.arange(S, device=s.device))
+        visible = dist >= 0
+        out.append((s * visible).sum(-1) / visible.sum(-1))
+    return torch.cat(out, 2).transpose(1, 2)  # (B, T, H)
+
+
+BLOCKWISE = Ops(
+    name="blockwise (kernels.py, CPU loops, float32)", attention=blockwise_attention,
+    pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
+    combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
+    selected_attention=blockwise_selected_attention, compressed_attention=blockwise_compressed_attention,
+    block_scores=sliding_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
+    mean_pair_gate=chunked_mean_pair_gate)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -1094,6 +1271,18 @@ def units(x):
     return x.movedim(-1, 0).contiguous().unbind(0)
 
 
+def log_sigmoid(z):
+    """log sigmoid(z), for score_mods: -softplus(-z), never F.logsigmoid. Why: on CUDA,
+    F.logsigmoid's op returns a second, empty output ("buffer"), and the vmap that uncompiled
+    FlexAttention runs a score_mod under (decode-sized calls, `DECODE_ROWS`) fails on it
+    ("SmallVector unable to grow", torch 2.11 on an H100). On a CPU that buffer is full-sized,
+    so the failure cannot happen there (tests/test_kernels.py re-creates it by giving the CPU
+    op CUDA's empty buffer). softplus returns its input x above `threshold`, dropping
+    log1p(e^-x), <= 4.3e-18 from x = 40 on: below float64's resolution of x, so this equals
+    log sigmoid in float64 too (at the default threshold, 20, it is off by 1e-10 relative)."""
+    return -F.softplus(-z, threshold=40.0)
+
+
 def flex_attention_op(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
     """attention.attention: flash SDPA where no window, bias or per-head scale applies,
     else FlexAttention with the cached block mask and a score_mod for the bias and scale."""
@@ -1137,8 +1326,10 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
     # Every captured tensor is read once, by row ([b, h, i]) or by key ([b, h, j]): see
-    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them.
-    q_units, k_units = units(q_term), units(k_term)
+    # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them. All are
+    # float32 at least (under autocast q_term, k_term come in bf16): FlexAttention sums a
+    # captured tensor's gradient, over a row's or a column's scores, in that tensor's dtype.
+    q_units, k_units = (units(t if t.dtype == torch.float64 else t.float()) for t in (q_term, k_term))
     w2_units = units(per_row(w2, B, T))
     b2_rows = per_row(b2, B, T)
     scale_rows = None if head_scale is None else per_row(head_scale, B, T)
@@ -1147,10 +1338,18 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
         if scale_rows is not None:
             score = score * scale_rows[b, h, i]
         # [ASGA] eq. 1, one hidden unit at a time: pointwise, as a score_mod must be
-        z = b2_rows[b, h, i]
+        z = z0 = b2_rows[b, h, i]  # z0: the gate's logit at a zero pair term
         for q_c, k_c, w2_c in zip(q_units, k_units, w2_units):
             z = z + w2_c[b, h, i] * F.gelu(q_c[b, h, i] + k_c[b, h, j])
-        return score * torch.sigmoid(z) if gate_space == "logit" else score + F.logsigmoid(z)
+        if gate_space == "logit":
+            return score * torch.sigmoid(z)
+        # prob: + log s - log sigmoid(z0), a constant in each row, which the softmax ignores.
+        # Why: b2's gradient is sum_ij dS_ij sigmoid(-z_ij), with sigmoid(-z) nearly the same
+        # for every key, so mostly sum_j dS_ij: 0 exactly, but FlexAttention's backward
+        # subtracts rowsum(out * d_out) with out rounded to bf16, which leaves sum_j dS_ij
+        # ~1e-3 of sum_j |dS_ij| (1e-7 in float32) and b2's gradient 4-7e-2 off. With the
+        # constant, b2's terms are dS_ij (sigmoid(-z_ij) - sigmoid(-b2)) and that error goes.
+        return score + (log_sigmoid(z) - log_sigmoid(z0))
 
     gate.kernel_options = PAIR_GATE_TILES
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
@@ -1308,5 +1507,9 @@ def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
     return _run_flex(q, k, v, None, selected_block_mask(keys, T, S, q_start, k_start), scale)
 
 
-FLEX = Ops("FlexAttention + SDPA (kernels.py)", flex_attention_op, flex_pair_gated_attention,
-           flex_topk_attention, flex_combiner_attention, flex_block_attention, flex_selected_attention)
+FLEX = Ops(
+    name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
+    topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
+    block_attention=flex_block_attention, selected_attention=flex_selected_attention,
+    compressed_attention=flex_compressed_attention, block_scores=sliding_block_scores,
+    indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)

@@ -20,103 +20,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import VARIANTS, RMSNorm, rope_cos_sin
+from attention import VARIANTS, AttentionConfig, RMSNorm, rope_cos_sin
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(AttentionConfig):
+    """The decoder's sizes. The attention's settings, the heads' shape among them, are
+    AttentionConfig's (attention.py), one comment each."""
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
     n_layer: int = 2
-    n_head: int = 4
-    n_kv_head: int = 4  # < n_head for grouped-query attention
-    head_dim: int = 16
-    d_model: int = 64
     mlp_hidden: int = 192
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
     tie_embeddings: bool = True
-    # attention variant and its settings (attention.py documents each)
-    attn: str = "full"
-    window: int = 256  # a query at i sees keys i - window .. i in windowed variants
-    kernel: str = "fused"  # ref: attention.py as written; fused: best for the device; flex; blockwise (attention.ops)
-    dsa_gate: bool = True
-    dsa_window: str = "adaptive"  # adaptive ([DSA-A], 4.904) | fixed ([DSA], W=256 always, 4.6498) | none
-    dsa_threshold: int = 512  # adaptive: windowed only for query positions >= this
-    asga_gate: str = "learned"  # learned | fixed (a mask: keys beyond the window excluded) | off
-    asga_gate_space: str = "logit"  # logit: softmax(alpha * s) ([ASGA] eq. 3) | prob: softmax(alpha + log s) (ours)
-    asga_scale: bool = True
-    asga_hidden: int = 16
-    caa_gate: str = "learned"  # learned | local | global (forced)
-    caa_topk: str = "sqrt"  # sqrt: k_i = ceil(sqrt(i + 1)); all: every visible key
-    caa_hidden: int = 64
-    caa_window_max: int = 512
-    caa_tau: float = 8.0  # softness, in tokens, of the local branch's window boundary
-    caa_gate_norm: bool = False  # LayerNorm on the gate MLP's hidden layer (attention.py says why)
-    # nsa ([NSA]; sizes for T = 1024, the cpu preset scales them to T = 256)
-    nsa_cmp_block: int = 16  # l: positions per compressed key
-    nsa_cmp_stride: int = 8  # d: stride between compressed keys (d | l, d | nsa_block)
-    nsa_block: int = 32  # l': positions per selection block
-    nsa_topk: int = 8  # n: blocks selected per query, counting the 3 forced ones
-    nsa_window: int = 128  # W: the window branch sees t - W .. t
-    nsa_compress: str = "mean"  # mean | mlp (the paper's learnable compressor)
-    nsa_branches: str = "cmp,slc,win"  # the branches summed (ablations: drop one)
-    nsa_kv: str = "shared"  # shared (the reference codes) | independent (the paper: k, v per branch)
-    # moba ([MoBA])
-    moba_block: int = 64  # B: positions per block
-    moba_topk: int = 4  # k: blocks per query, counting its own
-    moba_full_last: int = 0  # the last this-many layers use full attention (the paper's hybrid)
-    # indexer ([DS32], DeepSeek Sparse Attention)
-    index_topk: int = 0  # k: keys per query (0: the window, so indexer and local see as many)
-    index_heads: int = 4  # H^I: the lightning indexer's heads
-    index_head_dim: int = 64  # d^I: their size (RoPE on the first half)
-
-    CHOICES = dict(kernel=("ref", "fused", "flex", "blockwise"), dsa_window=("adaptive", "fixed", "none"),
-                   asga_gate=("learned", "fixed", "off"), asga_gate_space=("logit", "prob"),
-                   caa_gate=("learned", "local", "global"), caa_topk=("sqrt", "all"),
-                   nsa_compress=("mean", "mlp"), nsa_kv=("shared", "independent"))
+    # moba: the last this-many layers use full attention ([MoBA] §3.2's layer-wise hybrid: 3 of
+    # 32 layers for Llama-8B-1M); for runs that follow the paper's long-context recipe
+    moba_full_last: int = 0
 
     def __post_init__(self):
-        if self.attn not in VARIANTS:
-            raise ValueError(f"unknown attention variant {self.attn!r}; valid: {', '.join(VARIANTS)}")
-        for name, valid in self.CHOICES.items():
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of: {', '.join(valid)}")
-        if self.attn == "caa" and self.caa_window_max < self.window:
-            raise ValueError(f"caa_window_max={self.caa_window_max} must be >= window={self.window}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.attn == "nsa":
-            self.check_nsa()
-        if self.attn == "moba":
-            if self.moba_block < 1 or self.moba_topk < 1:
-                raise ValueError(f"moba_block={self.moba_block} and moba_topk={self.moba_topk} must be >= 1")
-            if not 0 <= self.moba_full_last <= self.n_layer:
-                raise ValueError(f"moba_full_last={self.moba_full_last} must be in 0 .. n_layer={self.n_layer}")
-        if self.attn == "indexer":
-            if self.index_topk < 0 or (self.index_topk == 0 and self.window < 1):
-                raise ValueError(f"index_topk={self.index_topk} must be >= 1 (keys per query; 0 takes the "
-                                 f"window, {self.window}, which must then be >= 1)")
-            if self.index_heads < 1:
-                raise ValueError(f"index_heads={self.index_heads} must be >= 1")
-            if self.index_head_dim < 4 or self.index_head_dim % 4:
-                raise ValueError(f"index_head_dim={self.index_head_dim} must be a positive multiple of 4: RoPE "
-                                 f"rotates its first half in pairs (e.g. 32, 64)")
-
-    def check_nsa(self):
-        l, d, block = self.nsa_cmp_block, self.nsa_cmp_stride, self.nsa_block
-        if d < 1 or l % d or block % d or l > block:
-            raise ValueError(f"nsa_cmp_stride={d} must divide nsa_cmp_block={l} and nsa_block={block}, and "
-                             f"nsa_cmp_block <= nsa_block ([NSA] eq. 9), e.g. 8, 16, 32")
-        if self.nsa_topk < 3:
-            raise ValueError(f"nsa_topk={self.nsa_topk} must be >= 3: it counts the 3 forced blocks "
-                             f"(the first, the query's own and the one before)")
-        if self.nsa_window < 0:
-            raise ValueError(f"nsa_window={self.nsa_window} must be >= 0")
-        branches = self.nsa_branches.split(",")
-        if not branches or len(set(branches)) != len(branches) or set(branches) - {"cmp", "slc", "win"}:
-            raise ValueError(f"nsa_branches={self.nsa_branches!r} must be a comma-separated subset of cmp,slc,win")
+        super().__post_init__()
+        if self.attn == "moba" and not 0 <= self.moba_full_last <= self.n_layer:
+            raise ValueError(f"moba_full_last={self.moba_full_last} must be in 0 .. n_layer={self.n_layer}")
 
 
 # Named sizes. qwen-134m: this project's choice of a 134M-parameter Qwen3 (12 layers, 12 heads
@@ -259,10 +181,10 @@ class Model(nn.Module):
         return sum(losses) if losses else None
 
     def record_gates(self, on=True):
-        """Make every attention layer keep its gate values from the next forward passes."""
+        """Make every attention layer keep what it notes (gates, selections; attention.py's
+        `note`) from the next forward passes on."""
         for layer in self.layers:
-            layer.self_attn.record = on
-            layer.self_attn.gates = {}
+            layer.self_attn.record_gates(on)
 
     def gate_tensors(self):
         """[per layer] {name: tensor (B, T, H) or (1, 1, H)} from the last recorded forward."""

@@ -310,11 +310,10 @@ def brute_selection(model, idx, layer):
         return out
     if model.cfg.attn == "nsa":
         cfg = model.cfg
-        _, p_cmp = attention.compressed_attention(q, attn.compress(k, "k"), attn.compress(v, "v"), attn.scale, 0,
-                                                  cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
-        blocks = attn.select(p_cmp, 0, T, T)
+        _, blocks = attention.compressed_attention(q, attn.compress(k, "k"), attn.compress(v, "v"), attn.scale, 0,
+                                                   cfg.nsa_cmp_block, cfg.nsa_cmp_stride, attn.select)
     else:
-        blocks = attn.select(q, k, 0, 0)
+        blocks = attention.moba_select(q, k, 0, model.cfg.moba_block, model.cfg.moba_topk)
     for n in range(N):
         for h in range(H):
             for t in range(T):

@@ -91,6 +91,18 @@ def test_training_state_round_trips_weights_only(tmp_path):
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
+def test_a_checkpoint_with_a_removed_flag_still_loads(tmp_path, capsys):
+    """A checkpoint written before nsa_kv was removed (every run used its default, 'shared'):
+    it loads with a note naming the dropped key, and computes what was saved."""
+    m = Model(ModelConfig(attn="nsa", vocab_size=64, nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=8, nsa_topk=3))
+    save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": m.state_dict(), "model_config": {**vars(m.cfg), "nsa_kv": "shared"}})
+    loaded, _ = load_checkpoint(tmp_path)
+    assert "ignoring model_config keys this ModelConfig lacks: ['nsa_kv']" in capsys.readouterr().err
+    idx = torch.randint(0, 64, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], m.eval()(idx)[0])
+
+
 def test_no_loader_in_the_project_turns_weights_only_off():
     needle = "weights_only=" + "False"
     try:  # the project's own files: committed and new ones, not a user's out/ and data/

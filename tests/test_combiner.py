@@ -1,4 +1,4 @@
-"""`combiner` (issue 14): Combiner-Fixed, causal (Ren et al. 2021). The reference against a
+"""`combiner`: Combiner-Fixed, causal (Ren et al. 2021). The reference against a
 loop over positions that spells out the equations; causality, prefix invariance, exact
 KV-cache decoding past several block boundaries, gradients, bf16; the core op
 `combiner_attention` of kernels.BLOCKWISE (kernel='fused' on CPU) and kernels.FLEX against
@@ -28,7 +28,7 @@ def one_thread():
 
 
 def loop_combiner(q, k, v, block, scale):
-    """The equations of issue 14, one query and one head at a time, in float64.
+    """The equations of CombinerAttention's docstring, one query and one head at a time, in float64.
     q (B, H, T, D), k, v (B, Hkv, T, D), positions 0 .. T-1."""
     B, H, T, D = q.shape
     group = H // k.shape[1]

@@ -77,12 +77,12 @@ def test_moba_and_nsa_count_the_keys_their_selection_picks():
         mod = m.layers[0].self_attn
         block = mod.cfg.moba_block if attn == "moba" else mod.cfg.nsa_block
         picked = selected_keys(mod.selection, block, T)
-        keys = flops.mean_keys(T, lambda t: flops.blocks(t, block, kw.get("moba_topk", kw.get("nsa_topk"))))
+        keys = A.mean_keys(T, lambda t: A.block_keys(t, block, kw.get("moba_topk", kw.get("nsa_topk"))))
         assert keys == pytest.approx(picked), attn
     # nsa: the compressed keys a query at t sees are those whose window ends by t
     l, d = 8, 4
     visible = sum(sum(1 for i in range(T) if i * d + l - 1 <= t) for t in range(T)) / T
-    cmp = flops.mean_keys(T, lambda t: torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0))
+    cmp = A.mean_keys(T, lambda t: torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0))
     assert cmp == pytest.approx(visible)
 
 
@@ -91,7 +91,7 @@ def test_indexer_and_caa_count_their_top_k():
     mod = m.layers[0].self_attn
     x = torch.randn(1, T, 64)
     q_idx, k_idx, w = mod.indexer(x, 0)
-    picked = (mod.select(q_idx, k_idx, w, 0, 0) >= 0).sum(-1).float().mean().item()
+    picked = (A.indexer_topk(q_idx, k_idx, w, 0, 0, mod.topk) >= 0).sum(-1).float().mean().item()
     grad, nograd = flops.attention_flops(mod, T)
     index = (2 * 2 * 8 + 2 * 2) * visible_keys(T)
     assert grad == pytest.approx(4 * 4 * 16 * picked + index)

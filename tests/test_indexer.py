@@ -163,19 +163,22 @@ def test_scores_of_the_last_queries_only():
 
 
 @pytest.mark.parametrize("topk", [1, 4, 20])
-def test_selection_and_attention_equal_the_loops(topk):
+def test_selection_and_attention_equal_the_loops(topk, monkeypatch):
     """The selection equals a brute-force sort (ties to the most recent key) and the output the
-    loop over it, on every path; with one indexer head, ReLU zeroes about half the scores,
-    so ties are exercised; k >= t + 1 takes every visible key."""
+    loop over it, on every path (the fast paths' selection a few queries at a time); with one
+    indexer head, ReLU zeroes about half the scores, so ties are exercised; k >= t + 1 takes
+    every visible key."""
     module = make(index_topk=topk, index_heads=1)
     q, k, v, x = inputs(module, 17, B=2)
+    monkeypatch.setattr(kernels, "INDEX_SCORES", 2 * 17 * 5)  # 5 queries a chunk
     with torch.no_grad():
         scores = module.index_scores(x, 0, 0)
         assert (scores == 0).float().mean() > 0.2  # ties are frequent
         chosen = selection_loop(scores, topk)
-        keys = module.select(*module.indexer(x, 0), 0, 0)
-        got = [[sorted(s for s in row.tolist() if s >= 0) for row in keys[b]] for b in range(2)]
-        assert got == chosen
+        for select in (attention.indexer_topk, kernels.chunked_indexer_topk):
+            keys = select(*module.indexer(x, 0), 0, 0, module.topk)
+            got = [[sorted(s for s in row.tolist() if s >= 0) for row in keys[b]] for b in range(2)]
+            assert got == chosen, select
         want = attention_loop(q, k, v, chosen, module.scale)
         for kernel in ("ref", "fused", "flex"):
             assert rel(run(module, kernel, q, k, v, x), want) < 1e-5, kernel
@@ -189,7 +192,7 @@ def test_zero_indexer_selects_the_window_of_recent_keys():
         module.indexer.weights_proj.weight.zero_()
     q, k, v, x = inputs(module, 20)
     with torch.no_grad():
-        keys = module.select(*module.indexer(x, 0), 0, 0)
+        keys = attention.indexer_topk(*module.indexer(x, 0), 0, 0, module.topk)
         for t in range(20):
             assert sorted(s for s in keys[0, t].tolist() if s >= 0) == list(range(max(0, t - 4), t + 1))
         local = attention.attention(q, k, v, module.scale, 0, 0, window=4)
@@ -227,6 +230,24 @@ def test_kl_equals_the_hand_computation_in_both_stages():
     module.eval()
     run(module, "ref", q, k, v, x)
     assert module.indexer_loss is None
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_kl_in_chunks_equals_the_reference(dense, monkeypatch):
+    """kernels.chunked_indexer_kl (the fast paths' L^I, a few queries at a time, each chunk
+    checkpointed), after earlier queries too: the loss and its gradients into the indexer's
+    queries, keys and weights equal attention.indexer_kl's."""
+    monkeypatch.setattr(kernels, "INDEX_SCORES", 2 * 4 * 30 * 6)  # 6 queries a chunk
+    module = make(index_topk=4)
+    q, k, v, x = inputs(module, 30, B=2)
+    q_idx, k_idx, w = (t.detach().requires_grad_() for t in module.indexer(x, 0))
+    q_start = 11  # the last 19 positions' queries
+    keys = None if dense else attention.indexer_topk(q_idx[:, q_start:], k_idx, w[:, q_start:], q_start, 0, 4)
+    losses = [fn(q[:, :, q_start:], k, module.scale, q_idx[:, q_start:], k_idx, w[:, q_start:], q_start, 0, keys)
+              for fn in (attention.indexer_kl, kernels.chunked_indexer_kl)]
+    assert abs(losses[1].item() - losses[0].item()) < 1e-6 * losses[0].item()
+    for a, b in zip(*(torch.autograd.grad(loss, (q_idx, k_idx, w)) for loss in losses)):
+        assert rel(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("dense", [True, False])

@@ -20,6 +20,7 @@ import torch
 import config
 import data
 import train
+from attention import VARIANTS
 from conftest import ROOT
 from model import read_checkpoint
 
@@ -150,7 +151,7 @@ WINDOWED = [["--attn=local"], ["--attn=dsa"], ["--attn=dsa", "--dsa_window=fixed
 def test_every_presets_windows_are_shorter_than_its_sequence(preset, tmp_path):
     for flags in WINDOWED:
         tc, mc, _ = config.parse_args(["--device=cpu", f"--preset={preset}", f"--data_dir={tmp_path}", *flags])
-        line, warning = config.window_plan(mc, tc.seq_len)
+        line, warning = VARIANTS[mc.attn].describe(mc, tc.seq_len)
         assert warning is None and f"of a {tc.seq_len}-token sequence" in line, (preset, flags, line, warning)
     assert mc.window < tc.seq_len - 1 and mc.dsa_threshold < tc.seq_len
 

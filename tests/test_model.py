@@ -1,4 +1,4 @@
-"""The model and the reference attention variants (issue 2): causality, exact windows,
+"""The model and the reference attention variants: causality, exact windows,
 reductions to `full`, top-k counts, gate gradients, learning, odd lengths, and parity with
 Hugging Face's Qwen3."""
 import dataclasses

@@ -161,17 +161,42 @@ def test_nsa_equals_the_papers_loop(kernel):
 
 
 def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
-    """The compressed branch and the selection a few queries at a time (checkpointed):
-    outputs equal to the paper's loop, gradients equal to one chunk's."""
+    """The compressed branch and the selection a few queries at a time: outputs equal to the
+    paper's loop, gradients equal to one chunk's."""
     module = make("nsa")
     q, k, v, x = (t.requires_grad_() for t in inputs(module, 45))
     out = run(module, "fused", q, k, v, x)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v, x))
-    monkeypatch.setattr(attention.NativeSparseAttention, "SCORES", 4 * 20 * 7)  # 7 queries a chunk
+    monkeypatch.setattr(kernels, "COMPRESSED_SCORES", 4 * 20 * 7)  # 6 queries a chunk
     chunked = run(module, "fused", q, k, v, x)
     with torch.no_grad():
         assert rel(chunked, nsa_loop(module, q, k, v, x)) < 1e-5
     for a, b in zip(torch.autograd.grad(chunked.square().sum(), (q, k, v, x)), grads):
+        assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("ops", ["BLOCKWISE", "FLEX"])
+@pytest.mark.parametrize("q_start", [0, 9])
+def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q_start):
+    """The op alone, a few queries at a time (FLEX's dense chunks checkpointed, BLOCKWISE's
+    `CompressedAttention`), after earlier queries too: output, what `select` chose on each
+    chunk's probabilities, and the gradients of q and the compressed keys and values, equal
+    to attention.compressed_attention's over all queries at once."""
+    monkeypatch.setattr(kernels, "COMPRESSED_SCORES", 2 * 4 * 12 * 5)  # 5 queries a chunk
+    g = torch.Generator().manual_seed(6)
+    T, C, length, stride = 23, 12, 4, 2
+    q = torch.randn(2, 4, T, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, C, 8, generator=g, requires_grad=True) for _ in range(2))
+    cot = torch.randn(2, 4, T, 8, generator=g)
+
+    def select(p, start):  # a "choice" that depends on every probability of a query, and on its position
+        return (p * torch.arange(1, p.shape[-1] + 1)).sum(-1, keepdim=True) + (start + torch.arange(p.shape[2]))[:, None]
+
+    ref, ref_chosen = attention.compressed_attention(q, k, v, 0.3, q_start, length, stride, select)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
+    out, chosen = getattr(kernels, ops).compressed_attention(q, k, v, 0.3, q_start, length, stride, select)
+    assert rel(out, ref) < 1e-5 and rel(chosen, ref_chosen) < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-5
 
 
@@ -204,9 +229,8 @@ def test_causal_and_prefix_invariant(attn):
     """The first 30 outputs and selections of a 45-token run equal those of its 30-token
     prefix, and changing the later q, k, v, x changes neither."""
     module = make(attn)
-    module.record = True
+    module.record_gates(True)
     q, k, v, x = inputs(module, 45)
-    module.gates = {}
     out = run(module, "ref", q, k, v, x)
     sel = module.selection[:, :, :30].sort(-1).values  # as sets: the order of tied forced blocks is free
     q2, k2, v2, x2 = (t.clone() for t in (q, k, v, x))
@@ -224,7 +248,7 @@ def test_causal_and_prefix_invariant(attn):
 def test_moba_selection_is_a_brute_force_sort():
     module = make("moba")
     q, k, _, _ = inputs(module, 45, B=2)
-    blocks = module.select(q, k, 0, 0)  # (B, H, T, 3)
+    blocks = attention.moba_select(q, k, 0, 8, 3)  # (B, H, T, 3)
     for b in range(2):
         for h in range(4):
             for t in range(45):
@@ -239,8 +263,7 @@ def test_moba_selection_is_a_brute_force_sort():
 def test_nsa_forced_blocks_and_selection_size():
     module = make("nsa", nsa_topk=5)
     q, k, v, x = inputs(module, 45, B=2)
-    module.record = True
-    module.gates = {}
+    module.record_gates(True)
     run(module, "ref", q, k, v, x)
     blocks = module.selection  # (B, H, T, n)
     for t in range(45):
@@ -258,8 +281,7 @@ def test_no_gradient_through_the_selection(attn):
     constants: the choice of blocks passes no gradient."""
     module = make(attn, nsa_branches="slc")
     q, k, v, x = (t.requires_grad_() for t in inputs(module, 45))
-    module.record = True
-    module.gates = {}
+    module.record_gates(True)
     out = run(module, "ref", q, k, v, x)
     blocks = module.selection.clone()
     assert not blocks.requires_grad
@@ -275,12 +297,12 @@ def test_no_gradient_through_the_selection(attn):
 @pytest.mark.parametrize("length,stride,block,C,J", [(4, 2, 8, 21, 6), (4, 2, 8, 3, 6), (16, 8, 32, 30, 8),
                                                      (32, 16, 64, 40, 11), (8, 8, 8, 9, 9), (8, 4, 16, 0, 2)])
 def test_nsa_block_scores_equal_the_overlap_matrix(length, stride, block, C, J):
-    """`block_scores` (sliding sums) equals eq. 9's overlap matrix product p @ block_overlap,
-    with fewer compressed keys than the blocks cover and more (the chunks cut C causally)."""
+    """kernels.sliding_block_scores (the fast paths') equals eq. 9's overlap matrix product
+    p @ block_overlap (attention.block_scores), with fewer compressed keys than the blocks
+    cover and more (the chunks cut C causally)."""
     p = torch.rand(2, 3, 5, C, dtype=torch.float64)
-    overlap = attention.block_overlap(C, J, length, stride, block, "cpu").double()
-    expected = p @ overlap
-    assert torch.allclose(attention.block_scores(p, J, length, stride, block), expected, rtol=1e-12, atol=1e-12)
+    expected = p @ attention.block_overlap(C, J, length, stride, block, "cpu").double()
+    assert torch.allclose(kernels.sliding_block_scores(p, J, length, stride, block), expected, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------- the fast paths
@@ -338,7 +360,7 @@ def test_block_attention_with_no_visible_key_gives_zero():
         assert rel(a, b) < 1e-4
 
 
-@pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp", nsa_kv="independent")),
+@pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp")),
                                         ("nsa", dict(nsa_branches="cmp,win")), ("moba", {})])
 def test_fused_and_flex_equal_the_reference(attn, flags):
     """Whole variant, T = 45 and 130: fused outputs and gradients of q, k, v, x and every
@@ -379,7 +401,7 @@ def tiny(attn, kernel, **flags):
     return model
 
 
-@pytest.mark.parametrize("attn,flags", [("nsa", dict(nsa_compress="mlp", nsa_kv="independent")),
+@pytest.mark.parametrize("attn,flags", [("nsa", dict(nsa_compress="mlp")),
                                         ("moba", dict(moba_full_last=1))])
 def test_cached_decoding_equals_the_forward(attn, flags):
     """Prefill 20, decode one at a time to 50, then 10 at a time to 70: the fused path's
