@@ -174,7 +174,8 @@ def test_the_stages_under_torchrun_match_one_process(pretrained, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     a, b = M.read_checkpoint(one)["model"], M.read_checkpoint(two)["model"]
-    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    for k in a:  # the same sums in another order: rounding apart
+        assert (a[k] - b[k]).norm() <= 1e-5 * b[k].norm(), k
     assert any(not torch.equal(a[k], t) for k, t in pretrained_state(folder).items())
 
 
