@@ -21,6 +21,9 @@ import math
 import os
 import random
 import re
+import resource
+import signal
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -46,6 +49,23 @@ def keep_freed_memory():
     libc.mallopt(-3, 2**30)  # M_MMAP_THRESHOLD
     libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
 
+
+def git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def peak_memory_gb(device):
+    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak RSS."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 import numpy as np
 import torch
@@ -517,6 +537,23 @@ def open_data(tc, mc, run):
     except data.ShardError as e:
         fail(str(e), code=1)
     return loader, val_loader
+
+
+class StopRequest:
+    """SIGTERM / SIGINT (Ctrl-C) ask the loop to stop after the current step; `signum` holds
+    the first signal. A second signal abandons the step at once (no checkpoint), but not under
+    torchrun: there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by
+    torchrun), and torchrun itself SIGKILLs workers that have not exited within its timeout."""
+
+    def __init__(self, ddp):
+        self.signum, self.ddp = None, ddp
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.signum is not None and not self.ddp:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
 
 
 # ----------------------------------------------------------------------------- plan

@@ -11,11 +11,13 @@ import json
 import math
 import os
 import pickle
+import random
 import re
 import sys
 import zipfile
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -307,6 +309,29 @@ def load_checkpoint(path, device="cpu", kernel=None):
     except (ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"{path}: the checkpoint does not fit the model ({e})") from None
     return model.to(device).eval(), ckpt
+
+
+def rng_state(device):
+    """Every random generator the run draws from, as tensors, ints, floats, lists and None, so
+    the checkpoint loads weights-only (model.read_checkpoint) and resume stays bit-exact."""
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()  # ('MT19937', (624,) uint32, ...)
+    version, internal, gauss_next = random.getstate()  # (3, 625 ints, float or None)
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
+
+
+def set_rng_state(state, device):
+    """The inverse of rng_state."""
+    torch.set_rng_state(state["torch"].cpu())
+    if device.startswith("cuda") and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
 # ----------------------------------------------------------------------------- Hugging Face Qwen3

@@ -28,20 +28,16 @@ import hashlib
 import json
 import math
 import os
-import random
-import resource
 import signal
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
 # config.py first: it sets this machine's OpenMP policy, which must happen before torch loads
-from config import (fail, fit_batch, init_model, new_parameters, open_data, parse_args, plan_run, preflight,
-                    preflight_on, set_up)
+from config import (StopRequest, fail, fit_batch, git_commit, init_model, new_parameters, open_data, parse_args,
+                    peak_memory_gb, plan_run, preflight, preflight_on, set_up)
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import flops
 from evaluate import evaluate_model  # the end-of-run evaluations (train.py's own evaluate() is the val loss)
-from model import CheckpointError, Model, read_checkpoint, save_checkpoint
+from model import CheckpointError, Model, read_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -362,29 +358,6 @@ def save(ckpt_path, step, raw_model, optimizer, loader, tc, mc, device):
         "loader": loader.state_dict(), "rng": rng_state(device)})
 
 
-def rng_state(device):
-    """Every random generator the run draws from, as tensors, ints, floats, lists and None, so
-    the checkpoint loads weights-only (model.read_checkpoint) and resume stays bit-exact."""
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()  # ('MT19937', (624,) uint32, ...)
-    version, internal, gauss_next = random.getstate()  # (3, 625 ints, float or None)
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
-            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
-
-
-def set_rng_state(state, device):
-    """The inverse of rng_state."""
-    torch.set_rng_state(state["torch"].cpu())
-    if device.startswith("cuda") and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
-
-
 # ----------------------------------------------------------------------------- log
 
 def open_log(tc, mc, run, accum, raw_model, step, resumed):
@@ -443,16 +416,6 @@ class RunLog:
             self.file.flush()
 
 
-def git_commit():
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def param_hash(model):
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
@@ -467,33 +430,6 @@ def throughput(tok_s, info, world):
     flop_s = info["flops_per_token"] * tok_s / world
     use = flops.mfu(flop_s, info["device_name"]) if info["device"].startswith("cuda") else None
     return {"flop_s": flop_s} if use is None else {"flop_s": flop_s, "mfu": use}
-
-
-def peak_memory_gb(device):
-    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak RSS."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
-
-
-# ----------------------------------------------------------------------------- signals
-
-class StopRequest:
-    """SIGTERM / SIGINT (Ctrl-C) ask the loop to stop after the current step; `signum` holds
-    the first signal. A second signal abandons the step at once (no checkpoint), but not under
-    torchrun: there a Ctrl-C reaches each rank twice (from the terminal, then forwarded by
-    torchrun), and torchrun itself SIGKILLs workers that have not exited within its timeout."""
-
-    def __init__(self, ddp):
-        self.signum, self.ddp = None, ddp
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
-
-    def on_signal(self, signum, frame):
-        if self.signum is not None and not self.ddp:
-            raise KeyboardInterrupt
-        self.signum = self.signum or signum
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import data
-import train
 from conftest import ROOT
-from model import CheckpointError, Model, ModelConfig, load_checkpoint, read_checkpoint, save_checkpoint
+from model import (CheckpointError, Model, ModelConfig, load_checkpoint, read_checkpoint, rng_state, save_checkpoint,
+                   set_rng_state)
 
 
 class RunsCode:
@@ -78,11 +78,11 @@ def test_training_state_round_trips_weights_only(tmp_path):
     random.gauss(0, 1)  # and Python with gauss_next set
     m = Model(ModelConfig(attn="asga"))
     save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": m.state_dict(), "model_config": vars(m.cfg),
-                                                "step": 7, "rng": train.rng_state("cpu")})
+                                                "step": 7, "rng": rng_state("cpu")})
     expected = (torch.rand(3), np.random.standard_normal(3), np.random.rand(2), random.random(), random.gauss(0, 1))
     torch.manual_seed(0), np.random.seed(0), random.seed(0)  # scramble
     loaded, ckpt = load_checkpoint(tmp_path)
-    train.set_rng_state(ckpt["rng"], "cpu")
+    set_rng_state(ckpt["rng"], "cpu")
     got = (torch.rand(3), np.random.standard_normal(3), np.random.rand(2), random.random(), random.gauss(0, 1))
     assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1])
     assert np.array_equal(expected[2], got[2]) and expected[3:] == got[3:]
