@@ -269,6 +269,8 @@ class CausalSelfAttention(nn.Module):
     overrides `forward`. What a variant keeps between decoding steps besides keys and values
     lives in its KVCache's `state`, which `attend` receives as `cache`.
     """
+    # How --init_from finds it: what its new parameters start as on a pretrained dense model
+    FROM_PRETRAINED = "the checkpoint's own attention"
 
     def __init__(self, cfg):
         super().__init__()
@@ -398,6 +400,7 @@ class CausalSelfAttention(nn.Module):
 class LocalAttention(CausalSelfAttention):
     """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (sliding window, as in
     [Longformer]; the "Local" row of [CAA], validation loss 5.021). W = cfg.window (256)."""
+    FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
@@ -441,6 +444,7 @@ class DynamicSparseAttention(CausalSelfAttention):
     variant starts as the baseline with its output projection halved (no information lost),
     and the gate sits at the sigmoid's steepest point, where it learns fastest.
     """
+    FROM_PRETRAINED = "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -554,6 +558,8 @@ class ASGAttention(CausalSelfAttention):
     W1 ~ N(0, 1/D) keeps the hidden pre-activations O(1); w2 ~ N(0, 0.02) and b2 = 0 start s
     at 0.5, nearly input-independent, at the sigmoid's steepest point.
     """
+    FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
+                       "temperature of 2)")
 
     DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
 
@@ -685,6 +691,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     point; not exactly 0 so that W1 gets a gradient from the first step); u = 0 and its bias
     0, so every width starts at the middle, W + W'/2 = 384.
     """
+    FROM_PRETRAINED = ("not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two "
+                       "normalised attentions (its local branch and its top-k branch)")
 
     DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
                 ("window", "local window width (tokens) per layer", False))
@@ -850,6 +858,8 @@ class CombinerAttention(CausalSelfAttention):
     block and the running max of the queries of the last token's block, and the cache keeps
     that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
     """
+    FROM_PRETRAINED = ("no new parameters: blocks and max-pooled summaries of the pretrained keys, "
+                       "training-free")
 
     def summaries(self, q, k, v, q_start, k_start, cache=None):
         """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
@@ -1012,6 +1022,8 @@ class NativeSparseAttention(CausalSelfAttention):
     Init (ours): W_g = 0, b_g = 0, every gate 0.5 (the sigmoid's steepest point, like dsa's).
     The KV cache keeps every key (a later query may select any block).
     """
+    FROM_PRETRAINED = ("not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 "
+                       "attention outputs")
 
     BRANCHES = ("cmp", "slc", "win")
 
@@ -1175,6 +1187,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     k = moba_topk = 4 at T = 1024 (at most 256 keys, `local`'s budget at W = 256); the cpu
     preset at T = 256: B = 16, k = 4 (at most 64 keys). The KV cache keeps every key.
     """
+    FROM_PRETRAINED = "no new parameters: blocks chosen by the pretrained keys' block means, training-free"
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg = self.cfg
@@ -1349,6 +1362,8 @@ class IndexerAttention(CausalSelfAttention):
     scores are dense O(T^2) by design (the paper's are). The KV cache keeps every key, and
     its `state` every indexer key (a later query may select any).
     """
+    FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
+                       "until the indexer's KL warm-up trains it")
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -8,7 +8,7 @@ bits per byte, recall, HellaSwag.
 
 --init_from converts a pretrained Qwen3 to --attn (with the variant's settings as flags) and
 scores it training-free at --seq_len, saying whether the variant's new parameters start
-neutral (CONVERSION_START). --recall=N adds the recall probe (recall_probe) on N sequences.
+neutral (each variant's FROM_PRETRAINED, attention.py). --recall=N adds the recall probe (recall_probe) on N sequences.
 
 train.py runs the same at the end of every run (`--eval_seqs`, `--hellaswag`) and writes
 eval.json into the run folder; `analyze.py` draws loss by position from it.
@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import data
+from attention import VARIANTS
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_ITEMS = 10042
@@ -765,21 +766,6 @@ DEFAULTS = dict(ckpt="", init_from="", data_dir="", out="", seq_len=0, n_seq=64,
 # (model.load_hf: they keep their init_gates values), as observed on this project's converted
 # byte model (experiments/pretrained.py): a training-free score of a variant whose start is not
 # neutral measures its untrained parameters as much as its sparsity.
-CONVERSION_START = {
-    "full": "the checkpoint's own attention",
-    "local": "no new parameters: the window over the pretrained weights, training-free",
-    "combiner": "no new parameters: blocks and max-pooled summaries of the pretrained keys, training-free",
-    "moba": "no new parameters: blocks chosen by the pretrained keys' block means, training-free",
-    "dsa": "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output",
-    "asga": "not neutral: its pair gate starts near s = 0.5, which halves every logit (a temperature of 2)",
-    "caa": "not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two normalised "
-           "attentions (its local branch and its top-k branch)",
-    "nsa": "not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 attention outputs",
-    "indexer": "not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random until "
-               "the indexer's KL warm-up trains it",
-}
-
-
 def harness_main(args):
     """`python evaluate.py harness ARGS`: lm_eval's own command line (ARGS as they would follow
     `lm_eval`) in a process where HarnessLM is registered as HARNESS_MODEL. lm_eval 0.4.13
@@ -846,7 +832,7 @@ def main(argv=None):
         ckpt = {"step": 0, "tokenizer": tok.spec, "train_config": {"seq_len": args["seq_len"] or 1024}}
         for line in describe_hf_load(summary):
             log(line)
-        log(f"training-free: attn={model.cfg.attn}: {CONVERSION_START.get(model.cfg.attn, 'see attention.py')}")
+        log(f"training-free: attn={model.cfg.attn}: {VARIANTS[model.cfg.attn].FROM_PRETRAINED}")
     else:
         try:
             model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"] or None)
@@ -869,7 +855,7 @@ def main(argv=None):
                             log=log)
     record["checkpoint"] = str(source)
     if args["init_from"]:
-        record["init_from"] = {"path": args["init_from"], "settings": settings, "start": CONVERSION_START.get(model.cfg.attn),
+        record["init_from"] = {"path": args["init_from"], "settings": settings, "start": VARIANTS[model.cfg.attn].FROM_PRETRAINED,
                                "new": [line.strip() for line in describe_hf_load(summary)[1:]]}
     if ddp:
         dist.destroy_process_group()

@@ -232,7 +232,7 @@ def recall_cells(rec):
 def section(results_dir, link):
     """RESULTS.md's lines for the conversion study (experiments/sweep.py puts them at the end);
     link(path) makes a path relative to RESULTS.md."""
-    from evaluate import CONVERSION_START
+    from attention import VARIANTS
 
     results_dir = Path(results_dir)
     L = ["## From a pretrained dense model: convert, score, continue training", ""]
@@ -285,7 +285,7 @@ def section(results_dir, link):
             v, tail = val_at(log, step)
             ref = val_at(full_log, step)[0]
             cells += [_f(v) + (f" ({v - ref:+.4f})" if v is not None and ref is not None else ""), _f(tail)]
-        start = CONVERSION_START.get(attn, "–")
+        start = VARIANTS[attn].FROM_PRETRAINED if attn in VARIANTS else "–"
         L.append(f"| {attn} | {start} | {' | '.join(cells)} | {recovered_at(log, full_log)} | "
                  f"{recall_cells((r.get('before') or {}).get('recall'))} | {recall_cells((r.get('after') or {}).get('recall'))} |")
     L += indexer_lines(rows["indexer"].get("log", []), full_log)

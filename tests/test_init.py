@@ -193,7 +193,7 @@ def test_evaluate_scores_a_converted_model_training_free(pretrained, tmp_path, c
         expected = F.cross_entropy(hf(rows[:, :-1]).logits.transpose(1, 2), rows[:, 1:]).item()
     assert record["positions"][0]["nats_per_token"] == pytest.approx(expected, rel=1e-5)
     assert record["bits_per_byte"] > 0 and record["recall"]["n_queries"] > 0
-    assert record["init_from"]["start"] == evaluate.CONVERSION_START["full"]
+    assert record["init_from"]["start"] == VARIANTS["full"].FROM_PRETRAINED
     capsys.readouterr()
     assert evaluate.main([f"--init_from={folder}", "--attn=dsa", "--window=4", f"--data_dir={shards}", "--seq_len=16",
                           "--n_seq=2", f"--out={tmp_path / 'dsa.json'}", "--device=cpu"]) == 0
@@ -226,7 +226,7 @@ def test_every_variant_says_how_its_conversion_starts(pretrained, attn):
     folder, _, _ = pretrained
     _, summary = M.load_hf(folder, attn=attn, **SMALL)
     has_new = M.NEW in summary["parameters"].values()
-    note = evaluate.CONVERSION_START[attn]
+    note = VARIANTS[attn].FROM_PRETRAINED
     assert note.startswith("not neutral") == has_new
     assert ("no new parameters" in note) == (not has_new and attn != "full")
 
