@@ -736,23 +736,32 @@ def preflight(raw_model, x, mc, run, typed):
     forward and backward on a slice of real data (x: (B, T) tokens, as the run's autocast
     runs it) against the reference path (kernel='ref', attention.py), and check the loss and
     every gradient. Where the chosen path raises (a kernel the GPU's compiler rejects, as
-    asga's learned gate did on torch 2.13) or disagrees beyond rounding (a relative error
-    above 5e-2 in bf16, 1e-3 in float32: a wrong kernel, not rounding), the run switches to
+    asga's learned gate did on torch 2.13) or disagrees beyond rounding, the run switches to
     the first of FALLBACKS that passes and says so in one line; a --kernel typed on the command
     line stops the run with that line instead. Every rank checks every path and the ranks
     agree on the choice (one all-reduce), so they all run the same kernels. Returns the
-    kernel the run uses; the model's modules are switched to it (model.set_kernel)."""
+    kernel the run uses; the model's modules are switched to it (model.set_kernel).
+
+    Beyond rounding: in float32, a relative error above 1e-3 against the reference. In bf16,
+    every path is compared with the reference run in float32, and may be as far from it as
+    the reference run in bf16 is, twice over (and at least 5e-2): where a variant selects keys
+    (caa's top-k, NSA's and MoBA's blocks, the indexer's keys) bf16's rounding flips the choice
+    between nearly tied keys, which at initialisation are most of them, so two correct bf16
+    paths differ by ~1e-1 (caa, two layers of qwen-134m, T = 1024, on a CPU: the bf16 reference
+    1.2e-1 from float32, the fused path 1.1e-1, and 1.0e-1 from each other; on an H200, all 12
+    layers, the fused path was 1.5e-1 from the bf16 reference, which a fixed 5e-2 bound failed).
+    A wrong kernel inside that noise is left to the float32 tests and the interpret check."""
     chosen = mc.kernel
     if chosen == "ref":
         return chosen
     device = run["device"]
     paths = [chosen] + [k for k in FALLBACKS if k != chosen]
-    tol = 5e-2 if run["dtype"] == "bfloat16" else 1e-3
+    bf16 = run["dtype"] == "bfloat16"
 
-    def loss_and_grads(kernel):
+    def loss_and_grads(kernel, autocast=run["autocast"]):
         set_kernel(raw_model, kernel)
         raw_model.zero_grad(set_to_none=True)
-        with run["autocast"]:
+        with autocast:
             _, loss = raw_model(x[:, :-1], x[:, 1:])
             kl = raw_model.indexer_loss()
         (loss if kl is None else loss + kl).backward()
@@ -761,23 +770,31 @@ def preflight(raw_model, x, mc, run, typed):
         raw_model.zero_grad(set_to_none=True)
         return loss.detach().float(), grads
 
+    def error(a, b):  # relative error of a (loss, grads) against b, the worse of the two
+        return max(abs(a[0] - b[0]).item() / max(abs(b[0]).item(), 1e-6),
+                   ((a[1] - b[1]).norm() / b[1].norm().clamp(min=1e-12)).item())
+
     try:
-        ref_loss, ref_grads = loss_and_grads("ref")
+        ref = loss_and_grads("ref")
+        # bf16: the float32 reference, and how far the bf16 reference is from it
+        base = loss_and_grads("ref", torch.autocast(device.split(":")[0], enabled=False)) if bf16 else ref
     except Exception as e:
         set_kernel(raw_model, chosen)
         fail(f"preflight: the reference attention path (kernel=ref) itself failed on {device}: "
              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; lower --seq_len or --batch_size, "
              f"or skip the check with --preflight=off", code=1)
+    noise = error(ref, base) if bf16 else 0.0
+    tol = max(5e-2, 2 * noise) if bf16 else 1e-3
+    against = (f"the float32 reference (bound {tol:.1e}: twice the bf16 reference's {noise:.1e}, at least 5e-2)"
+               if bf16 else f"the reference (bound {tol:g})")
     verdicts = {}
     for kernel in paths:
         if kernel == "ref":
             verdicts[kernel] = (True, "the reference")
             continue
         try:
-            loss, grads = loss_and_grads(kernel)
-            err = max(abs(loss - ref_loss).item() / max(abs(ref_loss).item(), 1e-6),
-                      ((grads - ref_grads).norm() / ref_grads.norm().clamp(min=1e-12)).item())
-            verdicts[kernel] = (err <= tol, f"relative error {err:.1e} against the reference (bound {tol:g})")
+            err = error(loss_and_grads(kernel), base)
+            verdicts[kernel] = (err <= tol, f"relative error {err:.1e} against {against}")
         except Exception as e:  # a compile or launch error: the one-line reason
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             verdicts[kernel] = (False, f"{type(e).__name__}: {first[:300]}")
