@@ -302,6 +302,8 @@ def section(results_dir, link):
     if missing:
         L += ["", f"Not finished yet: {', '.join(missing)}. `python experiments/pretrained.py --pretrained=RUN "
                   f"--data_dir=data/bytes` runs what is left, then `--report` rewrites this section."]
+    for rerun in sorted(results_dir.glob("rerun_*.txt")):  # the study run again on a later commit
+        L += ["", f"Run again: {rerun.read_text().splitlines()[0].lstrip('# ')} ([{rerun.name}]({link(rerun)}))."]
     example = commands("indexer", "out/pretrained/hf", "data/bytes", "experiments/results/pretrained")
     L += ["", "Commands (for every variant X; each run's are in experiments/results/pretrained/X/command.txt):", "",
           "```", "python experiments/pretrained.py --pretrained=RUN --data_dir=data/bytes   # all of it, resumable",
