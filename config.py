@@ -322,6 +322,22 @@ HF_OWNED = set(HF_SIZES) | {"rope_theta"}  # ModelConfig fields a pretrained che
 VARIANT_DEFAULTS = {k: v for k, v in MODEL_DEFAULTS.items() if k not in HF_OWNED}
 
 
+def parse_source_flags(argv, defaults, program, doc=""):
+    """sample.py's and evaluate.py's command line: `--key=value` overrides of defaults, one of
+    --ckpt (a train.py run) or --init_from (a Hugging Face Qwen3), and with --init_from the
+    variant's settings -> (args, settings). --kernel is the script's own key (defaults)."""
+    variant_keys = {k: v for k, v in VARIANT_DEFAULTS.items() if k != "kernel"}
+    given, _ = parse_flags(argv, {"keys": defaults, "model keys (with --init_from)": variant_keys}, program, doc=doc)
+    args = {**defaults, **{k: v for k, v in given.items() if k in defaults}}
+    settings = {k: v for k, v in given.items() if k in variant_keys}
+    if bool(args["ckpt"]) == bool(args["init_from"]):
+        fail(f"{program}: give --ckpt=RUN_DIR_OR_FILE (a train.py run) or --init_from=PATH (a Hugging Face Qwen3 "
+             f"folder or Hub id), one of them")
+    if args["ckpt"] and settings:
+        fail(f"{program}: --{next(iter(settings))} applies to --init_from; a checkpoint's model config is its own")
+    return args, settings
+
+
 def load_pretrained(path, device, settings, program):
     """--init_from for sample.py and evaluate.py -> (model in eval mode on device, its
     data.TextTokenizer, model.load_hf's summary); bad input is one line and exit 1 (2 for a

@@ -762,10 +762,6 @@ DEFAULTS = dict(ckpt="", init_from="", data_dir="", out="", seq_len=0, n_seq=64,
                 hellaswag=False, hellaswag_dir="data/hellaswag", hellaswag_file="", hellaswag_len=0, hellaswag_max=0,
                 device="auto", kernel="")
 
-# What a variant's new parameters compute right after conversion from a dense checkpoint
-# (model.load_hf: they keep their init_gates values), as observed on this project's converted
-# byte model (experiments/pretrained.py): a training-free score of a variant whose start is not
-# neutral measures its untrained parameters as much as its sparsity.
 def harness_main(args):
     """`python evaluate.py harness ARGS`: lm_eval's own command line (ARGS as they would follow
     `lm_eval`) in a process where HarnessLM is registered as HARNESS_MODEL. lm_eval 0.4.13
@@ -794,21 +790,12 @@ def main(argv=None):
     """The command line (module docstring); flags: DEFAULTS, as --key=value, and with
     --init_from the variant's (config.VARIANT_DEFAULTS)."""
     from model import CheckpointError, describe_hf_load, load_checkpoint
-    from config import VARIANT_DEFAULTS, cuda_missing, fail, init_process_group, load_pretrained, parse_flags, resolve_device
+    from config import cuda_missing, fail, init_process_group, load_pretrained, parse_source_flags, resolve_device
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["harness"]:
         return harness_main(argv[1:])
-    variant_keys = {k: v for k, v in VARIANT_DEFAULTS.items() if k != "kernel"}
-    given, _ = parse_flags(argv, {"keys": DEFAULTS, "model keys (with --init_from)": variant_keys}, "evaluate.py",
-                           doc=__doc__)
-    args = {**DEFAULTS, **given}
-    settings = {k: v for k, v in given.items() if k in variant_keys}
-    if bool(args["ckpt"]) == bool(args["init_from"]):
-        fail("evaluate.py: give --ckpt=RUN_DIR_OR_FILE (a train.py run) or --init_from=PATH (a Hugging Face Qwen3 "
-             "folder or Hub id), one of them")
-    if args["ckpt"] and settings:
-        fail(f"evaluate.py: --{next(iter(settings))} applies to --init_from; a checkpoint's model config is its own")
+    args, settings = parse_source_flags(argv, DEFAULTS, "evaluate.py", doc=__doc__)
     if args["init_from"] and not (args["data_dir"] and args["out"]):
         fail("evaluate.py: --init_from needs --data_dir=SHARDS (of the checkpoint's tokenizer) and --out=FILE.json")
     ddp = "RANK" in os.environ

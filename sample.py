@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from model import CheckpointError, describe_hf_load, load_checkpoint
-from config import VARIANT_DEFAULTS, cuda_missing, fail, load_pretrained, parse_flags
+from config import cuda_missing, fail, load_pretrained, parse_source_flags
 
 def context_length(ckpt):
     """The sequence length the model was trained on (train_config's seq_len), or None."""
@@ -106,21 +106,12 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
 
 DEFAULTS = dict(ckpt="", init_from="", prompt="", prompt_file="", max_new_tokens=200, temperature=0.8,
                 top_k=200, seed=1337, device="auto", kernel="ref", png="")
-VARIANT_KEYS = {k: v for k, v in VARIANT_DEFAULTS.items() if k != "kernel"}  # --kernel is DEFAULTS'
 
 
 def parse_args(argv):
-    """`--key=value` overrides of DEFAULTS, and with --init_from the variant's settings
-    (config.py's parser: typed, unknown keys list the valid ones) -> (args, variant settings)."""
-    given, _ = parse_flags(argv, {"keys": DEFAULTS, "model keys (with --init_from)": VARIANT_KEYS}, "sample.py",
-                           doc=__doc__)
-    args = {**DEFAULTS, **{k: v for k, v in given.items() if k in DEFAULTS}}
-    settings = {k: v for k, v in given.items() if k in VARIANT_KEYS}
-    if bool(args["ckpt"]) == bool(args["init_from"]):
-        fail("sample.py: give --ckpt=RUN_DIR_OR_FILE (a train.py run) or --init_from=PATH (a Hugging Face Qwen3 "
-             "folder or Hub id), one of them")
-    if args["ckpt"] and settings:
-        fail(f"sample.py: --{next(iter(settings))} applies to --init_from; a checkpoint's model config is its own")
+    """config.parse_source_flags (--ckpt or --init_from with the variant's settings), then
+    sample.py's own checks -> (args, variant settings)."""
+    args, settings = parse_source_flags(argv, DEFAULTS, "sample.py", doc=__doc__)
     if args["prompt"] and args["prompt_file"]:
         fail("sample.py: give --prompt or --prompt_file, not both")
     if args["temperature"] < 0 or args["max_new_tokens"] < 0:

@@ -40,6 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from recall import run_finished  # noqa: E402
+
 RESULTS_DIR = ROOT / "experiments" / "results" / "pretrained"
 PRETRAIN = dict(max_steps=2000)  # train.py's CPU preset otherwise (the command in dense/command.txt)
 STEPS = 200
@@ -87,19 +89,6 @@ def commands(attn, hf_dir, data_dir, results_dir):
     }
 
 
-def finished(run_dir):
-    """True when run_dir's log.jsonl ends with train.py's `end` record."""
-    log = Path(run_dir) / "log.jsonl"
-    if not log.exists():
-        return False
-    for line in reversed(log.read_text().splitlines()):
-        try:
-            return json.loads(line).get("event") == "end"
-        except json.JSONDecodeError:
-            continue
-    return False
-
-
 def run(cmd, out_dir, name):
     """Run one command from ROOT, its output appended to out_dir/stdout.txt (not committed)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -117,7 +106,7 @@ def pretrain(run_dir, data_dir, results_dir):
     """The pretrained `full` model in run_dir (trained here if it holds none), its logs copied
     to results_dir/dense with the command that made it."""
     cmd = ["python", "train.py", f"--data_dir={rel(data_dir)}", f"--out_dir={rel(run_dir)}", *flags(PRETRAIN)]
-    if not finished(run_dir):
+    if not run_finished(run_dir):
         if (Path(run_dir) / "ckpt.pt").exists():
             cmd.append("--resume=True")
         run(cmd, run_dir, "pretraining")
@@ -184,7 +173,7 @@ def study(hf_dir, data_dir, results_dir, only=None):
         cmds = commands(attn, hf_dir, data_dir, results_dir)
         if not (out / "before.json").exists():
             run(cmds["before"], out, f"{attn}: training-free evaluation")
-        if not finished(out):
+        if not run_finished(out):
             train = cmds["train"] + (["--resume=True"] if (out / "ckpt.pt").exists() else [])
             run(train, out, f"{attn}: {STEPS} steps of continued training")
         if not (out / "after.json").exists():
@@ -422,7 +411,7 @@ def main(argv=None):
     if args.plan:
         for attn in only or variants():
             out = Path(args.results_dir) / attn
-            done = {"before": (out / "before.json").exists(), "train": finished(out), "after": (out / "after.json").exists()}
+            done = {"before": (out / "before.json").exists(), "train": run_finished(out), "after": (out / "after.json").exists()}
             for step, cmd in commands(attn, args.hf_dir, args.data_dir, args.results_dir).items():
                 print(f"{attn:9s} {step:6s} {'done' if done[step] else 'to run':6s} {' '.join(cmd)}")
         return 0
