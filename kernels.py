@@ -1297,14 +1297,21 @@ def units(x):
 
 
 def log_sigmoid(z):
-    """log sigmoid(z), for score_mods: -softplus(-z), never F.logsigmoid. Why: on CUDA,
-    F.logsigmoid's op returns a second, empty output ("buffer"), and the vmap that uncompiled
-    FlexAttention runs a score_mod under (decode-sized calls, `DECODE_ROWS`) fails on it
-    ("SmallVector unable to grow", torch 2.11 on an H100). On a CPU that buffer is full-sized,
-    so the failure cannot happen there (tests/test_kernels.py re-creates it by giving the CPU
-    op CUDA's empty buffer). softplus returns its input x above `threshold`, dropping
-    log1p(e^-x), <= 4.3e-18 from x = 40 on: below float64's resolution of x, so this equals
-    log sigmoid in float64 too (at the default threshold, 20, it is off by 1e-10 relative)."""
+    """log sigmoid(z), for score_mods and biases: F.logsigmoid on a plain CPU tensor, else
+    -softplus(-z). Why: on CUDA, F.logsigmoid's op returns a second, empty output ("buffer"),
+    and the vmap that uncompiled FlexAttention runs a score_mod under (decode-sized calls,
+    `DECODE_ROWS`) fails on it ("SmallVector unable to grow", torch 2.11 on an H100); so
+    -softplus(-z) wherever a score_mod may run: on a GPU, under a functorch transform (vmap)
+    or while compiling. On a CPU that buffer is full-sized, so the failure cannot happen there
+    (tests/test_kernels.py re-creates it by giving the CPU op CUDA's empty buffer), and the
+    blockwise path evaluates a bias (caa's soft window edge) once on whole (B H, blocks, Bq,
+    L) bands, where -softplus(-z) is three passes each way and F.logsigmoid one: caa's CPU
+    training step lost ~8% to the two negations (benchmarks/train_step_regression.md).
+    softplus returns its input x above `threshold`, dropping log1p(e^-x), <= 4.3e-18 from
+    x = 40 on: below float64's resolution of x, so both forms equal log sigmoid in float64 too
+    (at the default threshold, 20, it is off by 1e-10 relative)."""
+    if z.device.type == "cpu" and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+        return F.logsigmoid(z)
     return -F.softplus(-z, threshold=40.0)
 
 

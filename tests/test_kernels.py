@@ -245,26 +245,56 @@ def test_flex_gradients_on_cuda(attn, flags):
 
 
 def test_flex_log_sigmoid_equals_logsigmoid():
-    """kernels.log_sigmoid, which score_mods use for log sigmoid (asga's prob gate, caa's soft
-    window edge), equals F.logsigmoid: value and gradient within 4 machine epsilons of the
+    """kernels.log_sigmoid, which score_mods and biases use for log sigmoid (asga's prob gate,
+    caa's soft window edge), equals F.logsigmoid in both its forms: on a plain CPU tensor
+    (F.logsigmoid itself) and under vmap (-softplus(-z), the form every score_mod takes, as
+    uncompiled FlexAttention runs them): value and gradient within 4 machine epsilons of the
     float64 truth (plus the smallest normal number, for values that underflow), in float32 and
     in float64, for z from -1e30 to 1e30 (softplus's threshold sits at -z = 40: the default,
     20, misses by 4e5 epsilons in float64)."""
     z64 = torch.cat([torch.linspace(-200, 200, 40001, dtype=torch.float64),
                      torch.tensor([-1e30, -1e4, -41.0, -40.0, -39.0, -0.0, 0.0, 1e4, 1e30], dtype=torch.float64)])
+    forms = {"plain": (kernels.log_sigmoid, "LogSigmoidBackward0"),
+             "vmap": (torch.vmap(kernels.log_sigmoid), "NegBackward0")}
     for dtype in (torch.float32, torch.float64):
         info = torch.finfo(dtype)
-        z = z64.to(dtype).requires_grad_(True)
-        value = kernels.log_sigmoid(z)
-        (grad,) = torch.autograd.grad(value.sum(), z)
-        truth = torch.nn.functional.logsigmoid(z.detach().double())
-        truth_grad = torch.sigmoid(-z.detach().double())
-        for what, got, want in (("value", value, truth), ("gradient", grad, truth_grad)):
-            error = (got.double() - want).abs()
-            allowed = 4 * info.eps * want.abs() + info.tiny
-            worst = (error - allowed).argmax()
-            assert (error <= allowed).all(), (f"{dtype} {what} at z = {z[worst].item()}: {got[worst].item()} "
-                                              f"vs {want[worst].item()}")
+        for form, (fn, grad_fn) in forms.items():
+            z = z64.to(dtype).requires_grad_(True)
+            value = fn(z)
+            assert value.grad_fn.name() == grad_fn, (form, value.grad_fn.name())  # the form named above ran
+            (grad,) = torch.autograd.grad(value.sum(), z)
+            truth = torch.nn.functional.logsigmoid(z.detach().double())
+            truth_grad = torch.sigmoid(-z.detach().double())
+            for what, got, want in (("value", value, truth), ("gradient", grad, truth_grad)):
+                error = (got.double() - want).abs()
+                allowed = 4 * info.eps * want.abs() + info.tiny
+                worst = (error - allowed).argmax()
+                assert (error <= allowed).all(), (f"{form} {dtype} {what} at z = {z[worst].item()}: "
+                                                  f"{got[worst].item()} vs {want[worst].item()}")
+
+
+def test_caa_window_edge_on_cpu_is_one_op_each_way():
+    """The blockwise path evaluates caa's soft window edge, log sigmoid, once on whole bands
+    ((B H, blocks, Bq, L) elements per layer): there it is F.logsigmoid, one pass forward and
+    one backward, not -softplus(-z)'s three each way (two negations of the whole band cost
+    caa's CPU training step ~8%, benchmarks/train_step_regression.md)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    module = make_module("caa", caa_gate="local", **WINDOWS["w5"])
+    q, k, v, x, cotangent = inputs(module, 40, 1, 0, 0, seed=1)
+    with Ops() as ops:
+        run(module, "fused", q, k, v, x, 0, 0).backward(cotangent)
+    assert ops.called.count("log_sigmoid_forward") == 1 and ops.called.count("log_sigmoid_backward") == 1, ops.called
+    assert "softplus" not in ops.called and "neg" not in ops.called, ops.called
 
 
 @pytest.fixture
