@@ -1385,7 +1385,7 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
 
 
-# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 256 MB on a GPU,
+# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 1 GB on a GPU,
 # where fewer, larger chunks also keep a compiled graph short (the loop is unrolled in it).
 TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 28)
 
