@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import attention
+import kernels as kernels_of_this_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,3 +73,35 @@ def test_gpu_check_runs_every_step_at_the_tiny_shape(tmp_path):
         assert row["flop_s"] == pytest.approx(row["flops_per_token"] * row["tok_s"])
     md = (tmp_path / "check.md").read_text()
     assert all(f"| {n} |" in md for n in names) and "tests (pytest -m cuda)" in md
+
+
+def test_train_step_ab_runs_each_checkouts_own_code(tmp_path):
+    """benchmarks/train_step_ab.py imports each checkout's model, attention and kernels apart:
+    a second checkout's attention calls its own kernels (marked here), not the first's; and a
+    tiny run writes one sample of full and of the configuration per checkout and round."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_step_ab
+    finally:
+        sys.path.pop(0)
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("model.py", "attention.py", "kernels.py"):
+        text = (ROOT / name).read_text()
+        (other / name).write_text(text + "\nMARK = 'other'\n" if name == "kernels.py" else text)
+    train_step_ab.load("ab_here", ROOT)
+    train_step_ab.load("ab_other", other)
+    here_kernels, other_kernels = sys.modules["ab_here_kernels"], sys.modules["ab_other_kernels"]
+    assert getattr(other_kernels, "MARK", None) == "other" and not hasattr(here_kernels, "MARK")
+    assert sys.modules["ab_other_attention"].kernels is other_kernels
+    assert sys.modules["ab_here_attention"].kernels is here_kernels
+    assert sys.modules["ab_other_model"].RMSNorm is sys.modules["ab_other_attention"].RMSNorm
+    assert sys.modules["kernels"] is kernels_of_this_process  # the test process's own stay in place
+
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step_ab.py"), f"a={ROOT}", f"b={other}",
+                    "--shape=quick", "--only=local", "--rounds=2", f"--out={out}"],
+                   cwd=tmp_path, check=True, timeout=600, capture_output=True)
+    samples = json.loads(out.read_text())["samples"]
+    assert set(samples) == {f"{c}/local/{o}" for c in "ab" for o in ("full", "local")}
+    assert all(len(s) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in s) for s in samples.values())
