@@ -17,7 +17,14 @@ sample); its tok/s is the median of its samples and its ratio the median of the 
 ratios full_time / its_time, so both runs of a round saw the same machine load. The same
 ratio of CPU time (time.process_time: this process's threads, busy, not waiting; OpenMP's
 idle threads sleep, OMP_WAIT_POLICY=PASSIVE) is printed beside it: on a loaded shared
-machine a step's wall time swings with the other jobs, its CPU time much less.
+machine a step's wall time swings with the other jobs, its CPU time much less. Timing runs
+under train.py's allocator settings (config.keep_freed_memory: glibc keeps freed blocks), as
+a training run does. Why: under glibc's defaults a step's time depended on the process's
+allocation history (glibc's dynamic mmap threshold, raised by whichever earlier allocation
+freed the largest mapped block): asga's step faulted in 0 to ~600 MB of fresh pages (0 to
+160k minor faults, up to ~20% of its time) from one run to the next, with the same code,
+which read as asga's ratio falling from 0.38x (3621804) to 0.30x (f97b6dd)
+(benchmarks/train_step_regression.md).
 Memory: each configuration in a forked child process (forked before the parent runs any
 torch op): after one warm-up step the peak resident set is reset (/proc/self/clear_refs)
 and one step is run; `step_mb` is its peak resident set (VmHWM) minus the resident set
@@ -48,6 +55,7 @@ sys.path.insert(0, ROOT)
 import attention  # noqa: E402
 import kernels  # noqa: E402
 from attention import rope_cos_sin  # noqa: E402
+from config import keep_freed_memory  # noqa: E402
 from model import MODEL_FIELDS, PRESETS, Model, ModelConfig  # noqa: E402
 
 # (name, variant, flags): each flag that changes the cost of a step. Variants added to
@@ -331,6 +339,7 @@ def main(argv=None):
         if s not in SHAPES:
             raise SystemExit(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}")
     if args.bounds:
+        keep_freed_memory()
         torch.set_num_threads(args.threads)
         out = args.out or os.path.join(ROOT, "benchmarks", "train_step_cpu.json")
         report = json.load(open(out)) if os.path.exists(out) else {}
@@ -343,6 +352,7 @@ def main(argv=None):
     rows = configs(only)
     # memory first: the children are forked before this process runs any torch op
     mem = {s: memory(s, rows, args.threads) for s in shapes}
+    keep_freed_memory()  # after the children (they keep glibc's trimming): time as train.py runs
     torch.set_num_threads(args.threads)
     started = time.time()
     load_before = os.getloadavg()[0]

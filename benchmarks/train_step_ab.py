@@ -13,7 +13,9 @@ Each checkout's model.py, attention.py and kernels.py are imported as modules of
 checkout (the checkouts' order rotated every round), `full` then the configuration, `steps`
 steps a sample. Per configuration and checkout: the median over rounds of full's time / its
 time (wall and CPU time, as train_step.py), and the median of its time / the first
-checkout's (same round). Prints a Markdown table; --out writes the samples as JSON.
+checkout's (same round). Prints a Markdown table; --out writes the samples as JSON. Timing
+runs under train.py's allocator settings (this checkout's config.keep_freed_memory), as
+train_step.py's does, so a checkout's allocations do not change another's time.
 """
 import argparse
 import importlib
@@ -29,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from config import keep_freed_memory  # noqa: E402
 from train_step import CONFIGS, GRAD_CLIP, LR, SHAPES, WEIGHT_DECAY, train_step  # noqa: E402
 
 OWN = ("model", "attention", "kernels")  # the modules each checkout brings
@@ -74,6 +77,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON path for the samples")
     args = p.parse_args(argv)
+    keep_freed_memory()  # as train.py and train_step.py time: this checkout's config.py
     torch.set_num_threads(args.threads)
     trees = [c.split("=", 1) for c in args.checkouts]
     labels = [label for label, _ in trees]
