@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from config import keep_freed_memory  # noqa: E402
 from train_step import CONFIGS, GRAD_CLIP, LR, SHAPES, WEIGHT_DECAY, train_step  # noqa: E402
+from config import keep_freed_memory  # noqa: E402 (train_step put the checkout on sys.path)
 
 OWN = ("model", "attention", "kernels")  # the modules each checkout brings
 
