@@ -276,8 +276,8 @@ def test_flex_log_sigmoid_equals_logsigmoid():
 def test_caa_window_edge_on_cpu_is_one_op_each_way():
     """The blockwise path evaluates caa's soft window edge, log sigmoid, once on whole bands
     ((B H, blocks, Bq, L) elements per layer): there it is F.logsigmoid, one pass forward and
-    one backward, not -softplus(-z)'s three each way (two negations of the whole band cost
-    caa's CPU training step ~8%, benchmarks/train_step_regression.md)."""
+    one backward, not -softplus(-z)'s three each way (the two negations of the whole band
+    cost 2-10% of caa's CPU training step, benchmarks/train_step_regression.md)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
