@@ -337,6 +337,27 @@ def test_selected_attention_paths_equal_the_reference(q_start):
         assert rel(a, b) < 1e-4
 
 
+def test_selected_attention_ignores_listed_future_keys():
+    """selected_attention's rule "only visible keys count": a list that names future keys
+    (which top_keys never makes) gives, on every path, what the same list without them gives;
+    a query listing only future keys gets 0."""
+    g = torch.Generator().manual_seed(8)
+    B, H, Hkv, T, D, n, q_start = 1, 4, 2, 20, 8, 5, 3
+    S = q_start + T
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    keys = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(T)])[None]  # distinct, as top_keys lists
+    keys[:, 0, 1:] = -1
+    keys[:, 0, 0] = S - 1  # the first query lists only a future key
+    visible = keys <= q_start + torch.arange(T)[:, None]
+    assert (~visible).any() and visible.any()
+    clean = keys.masked_fill(~visible, -1)
+    for ops in (attention.REFERENCE, kernels.BLOCKWISE, kernels.FLEX):
+        out = ops.selected_attention(q, k, v, 0.3, q_start, 0, keys)
+        assert rel(out, attention.selected_attention(q, k, v, 0.3, q_start, 0, clean)) < 1e-6, ops.name
+        assert out[:, :, 0].abs().max() == 0, ops.name
+
+
 def test_flex_selected_attention_compiled_keeps_no_gathered_keys():
     """The GPU path's selected attention, compiled (inductor, here for the CPU; on CUDA the
     same graph becomes Triton): equal to the reference, outputs and q, k, v gradients, and

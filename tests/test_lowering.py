@@ -55,7 +55,8 @@ SMALL = dict(n_head=2, n_kv_head=1, head_dim=16, d_model=32, window=8, caa_windo
              dsa_threshold=10, asga_hidden=3, caa_hidden=4)
 T = 24
 # Every configuration whose FLEX path calls FlexAttention ("full" and dsa without a window
-# take SDPA).
+# take SDPA; the indexer's selected attention is a compiled gather, not FlexAttention:
+# tests/test_indexer.py checks what inductor generates for it).
 CONFIGS = [
     ("local", {}),
     ("dsa", dict(dsa_window="adaptive")),
@@ -68,7 +69,6 @@ CONFIGS = [
     ("combiner", {}),
     ("nsa", dict(nsa_block=8, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_window=8, nsa_topk=3)),
     ("moba", dict(moba_block=8, moba_topk=2)),
-    ("indexer", dict(index_topk=4)),
 ]
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
 CAPTURING = [c for c in CONFIGS if c[0] in ("asga", "caa")]  # score_mods that capture parameters
