@@ -269,8 +269,6 @@ class CausalSelfAttention(nn.Module):
     overrides `forward`. What a variant keeps between decoding steps besides keys and values
     lives in its KVCache's `state`, which `attend` receives as `cache`.
     """
-    # How --init_from finds it: what its new parameters start as on a pretrained dense model
-    FROM_PRETRAINED = "the checkpoint's own attention"
 
     def __init__(self, cfg):
         super().__init__()
@@ -314,17 +312,21 @@ class CausalSelfAttention(nn.Module):
         layer's KVCache when decoding (for variants that keep more than keys and values)."""
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start)
 
-    def oldest_key_needed(self, next_pos):
-        """The smallest key position that any query at position >= next_pos can see."""
-        return 0
-
     def init_gates(self):
         """Set the variant's own parameters to their documented init (Model calls this after
         its generic init, which would otherwise overwrite them)."""
 
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    # Every variant groups these members at the end of its class, under this line.
+    # How --init_from finds it: what its new parameters start as on a pretrained dense model
+    FROM_PRETRAINED = "the checkpoint's own attention"
     # what analysis reads: one mechanism, `note`; and what analyze.py draws of the notes
     DYNAMICS = ()  # (note, caption, a line per head?): drawn over training in a figure of their own
     BRANCHES = ()  # the branches a gate per branch mixes, each gate noted as gate_<branch> (nsa)
+
+    def oldest_key_needed(self, next_pos):
+        """The smallest key position that any query at position >= next_pos can see (KVCache.trim)."""
+        return 0
 
     def record_gates(self, on=True):
         """Keep what `attend` notes (gates, selections) from the next forward passes on."""
@@ -400,10 +402,12 @@ class CausalSelfAttention(nn.Module):
 class LocalAttention(CausalSelfAttention):
     """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (sliding window, as in
     [Longformer]; the "Local" row of [CAA], validation loss 5.021). W = cfg.window (256)."""
-    FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window)
@@ -444,7 +448,6 @@ class DynamicSparseAttention(CausalSelfAttention):
     variant starts as the baseline with its output projection halved (no information lost),
     and the gate sits at the sigmoid's steepest point, where it learns fastest.
     """
-    FROM_PRETRAINED = "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -472,6 +475,9 @@ class DynamicSparseAttention(CausalSelfAttention):
         g = torch.sigmoid(self.head_gate(x))  # (B, T, H)
         self.note("head_gate", g)
         return y * g.transpose(1, 2).unsqueeze(-1).to(y.dtype)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output"
 
     def oldest_key_needed(self, next_pos):
         window, window_from = self.window()
@@ -558,10 +564,6 @@ class ASGAttention(CausalSelfAttention):
     W1 ~ N(0, 1/D) keeps the hidden pre-activations O(1); w2 ~ N(0, 0.02) and b2 = 0 start s
     at 0.5, nearly input-independent, at the sigmoid's steepest point.
     """
-    FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
-                       "temperature of 2)")
-
-    DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -609,6 +611,11 @@ class ASGAttention(CausalSelfAttention):
         self.note("pair_gate", lambda: op.mean_pair_gate(q_term, k_term, self.w2, self.b2, q_start, k_start))
         return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
                                        q_start, k_start, cfg.asga_gate_space)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
+                       "temperature of 2)")
+    DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
@@ -691,11 +698,6 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     point; not exactly 0 so that W1 gets a gradient from the first step); u = 0 and its bias
     0, so every width starts at the middle, W + W'/2 = 384.
     """
-    FROM_PRETRAINED = ("not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two "
-                       "normalised attentions (its local branch and its top-k branch)")
-
-    DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
-                ("window", "local window width (tokens) per layer", False))
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -752,6 +754,12 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # is sum_d dy (L - G), which bf16 loses where the branches nearly agree
         dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
         return (glob + g * (local - glob)).to(dtype)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two "
+                       "normalised attentions (its local branch and its top-k branch)")
+    DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
+                ("window", "local window width (tokens) per layer", False))
 
     @classmethod
     def check_config(cls, cfg):
@@ -858,8 +866,6 @@ class CombinerAttention(CausalSelfAttention):
     block and the running max of the queries of the last token's block, and the cache keeps
     that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
     """
-    FROM_PRETRAINED = ("no new parameters: blocks and max-pooled summaries of the pretrained keys, "
-                       "training-free")
 
     def summaries(self, q, k, v, q_start, k_start, cache=None):
         """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
@@ -892,6 +898,10 @@ class CombinerAttention(CausalSelfAttention):
         return self.ops(q.device).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start,
                                                      self.cfg.window)
 
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("no new parameters: blocks and max-pooled summaries of the pretrained keys, "
+                       "training-free")
+
     def oldest_key_needed(self, next_pos):
         # Keep the block of the last token: once complete, the next step summarises it.
         return (next_pos - 1) // self.cfg.window * self.cfg.window
@@ -912,7 +922,9 @@ class CombinerAttention(CausalSelfAttention):
         return self.per_key() * (mean_keys(T, lambda t: t % s + 1 + torch.div(t, s, rounding_mode="floor")) + 1), 0.0
 
 
-# ---------------------------------------------------------------------------- nsa
+# ---------------------------------------------------------------------------- shared by nsa and moba
+# Block selection and block attention: `top_blocks` (nsa_top_blocks, moba_select), `block_attention`
+# (nsa's selected branch, moba's one branch) and `need_every_key` (both keep every key).
 
 def top_blocks(scores, valid, forced, n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
@@ -941,6 +953,13 @@ def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     mask = chosen & allowed(T, S, q_start, k_start, q.device)
     return softmax_or_zero(logits, mask).to(v.dtype) @ v
 
+
+def need_every_key(name, k_start):
+    if k_start != 0:
+        raise ValueError(f"{name} needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
+
+
+# ---------------------------------------------------------------------------- nsa
 
 def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride, select):
     """[NSA]'s compressed branch (eqs. 7-8): compressed key i summarises positions
@@ -987,11 +1006,6 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head):
     valid = j <= own
     forced = valid & ((j == 0) | (j == own) | (j == own - 1))
     return expand_kv(top_blocks(scores, valid, forced, n), H)
-
-
-def need_every_key(name, k_start):
-    if k_start != 0:
-        raise ValueError(f"{name} needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
 
 
 class NativeSparseAttention(CausalSelfAttention):
@@ -1187,7 +1201,6 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     k = moba_topk = 4 at T = 1024 (at most 256 keys, `local`'s budget at W = 256); the cpu
     preset at T = 256: B = 16, k = 4 (at most 64 keys). The KV cache keeps every key.
     """
-    FROM_PRETRAINED = "no new parameters: blocks chosen by the pretrained keys' block means, training-free"
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg = self.cfg
@@ -1196,6 +1209,9 @@ class MixtureOfBlockAttention(CausalSelfAttention):
         self.note("selection", blocks)
         self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.moba_block))
         return self.ops(q.device).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = "no new parameters: blocks chosen by the pretrained keys' block means, training-free"
 
     @classmethod
     def check_config(cls, cfg):
@@ -1362,8 +1378,6 @@ class IndexerAttention(CausalSelfAttention):
     scores are dense O(T^2) by design (the paper's are). The KV cache keeps every key, and
     its `state` every indexer key (a later query may select any).
     """
-    FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
-                       "until the indexer's KL warm-up trains it")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -1417,6 +1431,10 @@ class IndexerAttention(CausalSelfAttention):
                            if self.training else None)
         return y
 
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
+                       "until the indexer's KL warm-up trains it")
+
     @classmethod
     def check_config(cls, cfg):
         if cfg.index_topk < 0 or (cfg.index_topk == 0 and cfg.window < 1):
@@ -1452,6 +1470,8 @@ class IndexerAttention(CausalSelfAttention):
         kl_target = per_key / 2 * full  # the main q.k over the visible keys (no gradient)
         return per_key * mean_keys(T, lambda t: torch.clamp(t + 1, max=self.topk)) + index, kl_target
 
+
+# ---------------------------------------------------------------------------- every variant, by name
 
 VARIANTS = {
     "full": CausalSelfAttention,
