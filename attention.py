@@ -44,7 +44,7 @@ The map: which keys query t reads, what chooses them, and what mixes the results
   local     the window t - W <= s <= t                position               -
   dsa       local's window (all keys while t < 512)   position               a gate g(x_t) per head scales it
   asga      every key s <= t                          causality              a gate s(q_t, k_s) per pair scales a logit
-  caa       a window of learned width W .. W', and    position; the top q.k  a gate g(x_t) per head mixes the
+  caa       a window of learned width W .. W_max, and position; the top q.k  a gate g(x_t) per head mixes the
             the top ceil(sqrt(t + 1)) keys by q . k                          two softmaxes
   combiner  its own aligned block, and one summary    position               one softmax over keys and summaries
             (a max-pooled key) per earlier block
@@ -118,7 +118,7 @@ class AttentionConfig:
     caa_gate: str = "learned"  # learned | local | global (the mix gate forced to 1 | 0)
     caa_topk: str = "sqrt"  # sqrt: k_i = ceil(sqrt(i + 1)); all: every visible key
     caa_hidden: int = 64  # the mix gate MLP's width; for matching a parameter budget (the paper gives none)
-    caa_window_max: int = 512  # W': the learned local width lies in [W, W']
+    caa_window_max: int = 512  # W_max: caa's learned local width w = W + (W_max - W) sigmoid(u . x) lies in [W, W_max]
     caa_tau: float = 8.0  # softness in tokens of the local window's edge; for studying how sharp a learned width acts
     caa_gate_norm: bool = False  # LayerNorm on the gate MLP's hidden layer ([CAA]'s "careful normalization")
     nsa_cmp_block: int = 16  # l: positions per compressed key (paper: 32 at 8k tokens)
@@ -651,8 +651,9 @@ class ASGAttention(CausalSelfAttention):
 
 def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
     """(B, H, T, D): query t attends, with a softmax, to its k_per_query[t] highest-scoring
-    visible keys alone (never a future key, even when fewer are visible). k_max: a Python int
-    >= every k_per_query (the fused paths size their buffers with it)."""
+    visible keys alone (`topk_mask`, whose tie rule every path follows; never a future key,
+    even when fewer are visible). k_max: a Python int >= every k_per_query (the fused paths
+    size their buffers with it)."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     k, v = expand_kv(k, H), expand_kv(v, H)
@@ -662,10 +663,14 @@ def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
 
 
 def topk_mask(logits, causal, k_per_query):
-    """(B, H, T, S) bool: the k_per_query[t] highest-scoring visible keys of each query."""
-    order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
-    rank = order.argsort(dim=-1)  # rank of each key within its query's row
-    return (rank < k_per_query[:, None]) & causal  # & causal: never a future key
+    """(B, H, T, S) bool: each query's visible keys scoring at least its k_i-th highest visible
+    score, k_i = k_per_query[t]. The tie rule: keys tied with the k_i-th score are all kept, so
+    a query reads more than k_i keys only where scores tie exactly (kernels.py's threshold,
+    `score >= threshold`, cannot tell tied keys apart); every visible key when it sees <= k_i."""
+    visible = logits.masked_fill(~causal, float("-inf"))
+    kth = visible.sort(dim=-1, descending=True).values.gather(
+        -1, (k_per_query - 1).clamp(max=logits.shape[-1] - 1).expand(*logits.shape[:-1])[..., None])
+    return (visible >= kth) & causal  # & causal: never a future key, even where kth = -inf
 
 
 class ContextAdaptiveAttention(CausalSelfAttention):
@@ -678,12 +683,13 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     and "gate gradients require careful normalization".
 
     This project's choices (the paper gives no formula for any of them):
-    - the width: w_i = W + W' sigmoid(u . x_i) in [W, W + W'] (W = window = 256,
-      W + W' = caa_window_max = 512), made differentiable by a soft boundary: the local
+    - the width: w_i = W + (W_max - W) sigmoid(u . x_i) in [W, W_max] (W = window = 256,
+      W_max = caa_window_max = 512), made differentiable by a soft boundary: the local
       logits get log sigmoid((w_i - (i - j)) / caa_tau), tau = 8 tokens, and keys more than
-      caa_window_max back are masked, so the branch stays local;
+      W_max back are masked, so the branch stays local;
     - top-k: k_i = ceil(sqrt(i + 1)) per query position (k = O(sqrt(n)) applied to each
-      query's own context), chosen among all keys j <= i, local ones included;
+      query's own context), chosen among all keys j <= i, local ones included; keys tied
+      with the k_i-th score are all kept (`topk_mask`);
     - the gate: g(x) = sigmoid(W2 GELU(W1 x + b1) + b2) in R^H, one gate per head, hidden
       width caa_hidden; both branches share the q, k, v projections;
     - the gate-gradient normalization: caa_gate_norm=True puts a LayerNorm (no affine) on the
@@ -696,7 +702,7 @@ class ContextAdaptiveAttention(CausalSelfAttention):
 
     Init (ours): W2 ~ N(0, 0.02), b2 = 0 (g ~ 0.5, an even mix, at the sigmoid's steepest
     point; not exactly 0 so that W1 gets a gradient from the first step); u = 0 and its bias
-    0, so every width starts at the middle, W + W'/2 = 384.
+    0, so every width starts at the middle, (W + W_max) / 2 = 384.
     """
 
     def __init__(self, cfg):
@@ -724,9 +730,11 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
         local = glob = None
         if cfg.caa_gate != "global":
-            # (B, T), in float32 at least: autocast's Linear gives bf16, where a width in [256, 512]
-            # moves in steps of 2 tokens (and FlexAttention sums the captured width's gradient in its dtype)
-            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
+            # w = W + (W_max - W) sigmoid(u . x), (B, T), in float32 at least: autocast's Linear gives bf16,
+            # where a width in [256, 512] moves in steps of 2 tokens (and FlexAttention sums the captured
+            # width's gradient in its dtype)
+            W, W_max = cfg.window, cfg.caa_window_max
+            width = W + (W_max - W) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
             self.note("window", lambda: width[..., None])
 
             # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
@@ -737,15 +745,15 @@ class ContextAdaptiveAttention(CausalSelfAttention):
                 # (kernels.log_sigmoid: F.logsigmoid fails inside a FlexAttention score_mod on CUDA)
                 return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
-            local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
+            local = op.attention(q, k, v, self.scale, q_start, k_start, window=W_max, bias=boundary)
         if cfg.caa_gate != "local":
             if cfg.caa_topk == "all":
                 glob = op.attention(q, k, v, self.scale, q_start, k_start)
             else:
                 glob = op.topk_attention(q, k, v, self.scale, q_start, k_start, *self.k_per_query(q_start, T, q.device))
         if cfg.caa_gate != "learned":
-            self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
-                                                     device=q.device))
+            forced = float(cfg.caa_gate == "local")
+            self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), forced, device=q.device))
             return glob if local is None else local
         g = torch.sigmoid(at_least_float32(self.mix_gate(x)))  # (B, T, H)
         self.note("mix_gate", g)
@@ -928,14 +936,17 @@ class CombinerAttention(CausalSelfAttention):
 
 def top_blocks(scores, valid, forced, n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
-    the slots left when fewer than n are valid. scores (.., T, J) float, valid and forced
+    the slots left when fewer than n are valid. The tie rule: equal scores go to the most
+    recent block (so equal scores read as a window). scores (.., T, J) float, valid and forced
     (T, J) bool. No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
     scores = scores.detach().float()
     scores = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
     if scores.shape[-1] < n:  # fewer blocks than slots: the spare slots stay empty
         scores = F.pad(scores, (0, n - scores.shape[-1]), value=float("-inf"))
-    top, idx = scores.topk(n, dim=-1)
-    return idx.masked_fill(top == float("-inf"), -1)
+    J = scores.shape[-1]
+    # a stable sort of the blocks, most recent first, keeps equal scores in that order
+    top, order = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
+    return (J - 1 - order[..., :n]).masked_fill(top[..., :n] == float("-inf"), -1)
 
 
 def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
