@@ -6,8 +6,8 @@
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
   selected_attention(q, k, v, scale, q_start, k_start, keys)
-  compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride, select)   (nsa)
-  block_scores(p_cmp, J, length, stride, block)                                   (nsa)
+  compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)           (nsa)
+  block_scores(q, k_cmp, scale, q_start, length, stride, block, J)                (nsa)
   indexer_topk(q_idx, k_idx, w, q_start, k_start, n)                              (indexer)
   indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)                (indexer)
   mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
@@ -66,8 +66,9 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see, returning the probabilities that select the blocks too; the backward
-  recomputes them (FLEX: the dense chunk, checkpointed).
+  keys it can see; the backward recomputes the probabilities (FLEX: the dense chunk,
+  checkpointed). Its block scores (`chunked_block_scores`, both sets) recompute the same
+  probabilities a chunk at a time without gradient and keep only (T, J).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
@@ -933,25 +934,22 @@ def _compressed_probs(q, k, scale, q_start, length, stride, group):
 
 class CompressedAttention(torch.autograd.Function):
     """attention.compressed_attention for q (N, T, D), k, v (N, C, D) in float32: returns the
-    output (N, T, D) and the probabilities (N, T, C), the latter without a gradient (nsa
-    uses them only to select blocks, a discrete choice). Keeps q, k, v and the output; the
-    backward recomputes the probabilities once ([Flash]'s recomputation) and uses
-    rowsum(dO * O) for the softmax's backward. Why not attention.py's function under a
-    checkpoint (what ran before): the checkpoint recomputed the output too, and the
-    reference's out-of-place masks and zero-row handling made five passes over each (T, C)
-    chunk per direction; here the masking is one in-place pass."""
+    output (N, T, D). Keeps q, k, v and the output; the backward recomputes the
+    probabilities once ([Flash]'s recomputation) and uses rowsum(dO * O) for the softmax's
+    backward. Why not attention.py's function under a checkpoint (what ran before): the
+    checkpoint recomputed the output too, and the reference's out-of-place masks and
+    zero-row handling made five passes over each (T, C) chunk per direction; here the
+    masking is one in-place pass."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, q_start, length, stride, group):
-        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
-        out = torch.bmm(p, v)
+        out = torch.bmm(_compressed_probs(q, k, scale, q_start, length, stride, group), v)
         ctx.save_for_backward(q, k, v, out)
         ctx.geometry = scale, q_start, length, stride, group
-        ctx.mark_non_differentiable(p)
-        return out, p
+        return out
 
     @staticmethod
-    def backward(ctx, d_out, _):
+    def backward(ctx, d_out):
         q, k, v, out = ctx.saved_tensors
         scale = ctx.geometry[0]
         p = _compressed_probs(q, k, *ctx.geometry)
@@ -961,20 +959,25 @@ class CompressedAttention(torch.autograd.Function):
         return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None, None
 
 
+def _grouped(q, k_cmp):
+    """q (B, H, T, D) -> (B Hkv, G T, D), the G = H / Hkv query heads of a key head stacked
+    along the rows (a view when G = 1), and k_cmp (B, Hkv, C, D) -> (B Hkv, C, D): the
+    compressed keys enter as views, never copied per query head (expand_kv), so the chunks
+    that each keep the keys they see stay linear in T."""
+    B, H, T, D = q.shape
+    Hkv = k_cmp.shape[1]
+    return q.reshape(B * Hkv, H // Hkv * T, D), k_cmp.flatten(0, 1), H // Hkv
+
+
 def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
     """One chunk of queries of attention.compressed_attention through `CompressedAttention`
-    (float32; scale a float): no checkpoint needed, the function keeps O(T D). The query
-    heads of a key head are stacked along the rows, so k_cmp and v_cmp enter as views: the
-    chunks each keep the compressed keys they see, and copies (expand_kv) would make that
-    (T / chunk) * C * D, quadratic in T. Returns the output and the probabilities."""
+    (float32; scale a float): no checkpoint needed, the function keeps O(T D)."""
     with torch.autocast(q.device.type, enabled=False):
         B, H, T, D = q.shape
-        Hkv = k_cmp.shape[1]
         q, k, v = _float32(q, k_cmp, v_cmp)
-        q = q.reshape(B * Hkv, H // Hkv * T, D)  # (B Hkv, G T, D): a view when G = 1
-        out, p = CompressedAttention.apply(q, k.flatten(0, 1), v.flatten(0, 1), float(scale), q_start, length, stride,
-                                           H // Hkv)
-        return out.view(B, H, T, -1), p.view(B, H, T, -1)
+        q_rows, k_rows, group = _grouped(q, k)
+        out = CompressedAttention.apply(q_rows, k_rows, v.flatten(0, 1), float(scale), q_start, length, stride, group)
+        return out.view(B, H, T, -1)
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: selected keys
@@ -1045,41 +1048,63 @@ def _softmax_or_zero(logits, mask):
 
 
 def _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention's output and probabilities for one chunk of queries, as
-    written there (FLEX's chunks, checkpointed: in the autocast dtype on a GPU)."""
+    """attention.compressed_attention for one chunk of queries, as written there (FLEX's
+    chunks, checkpointed: in the autocast dtype on a GPU)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     p = _softmax_or_zero(logits, torch.arange(C, device=q.device) * stride + length - 1 <= q_pos)
-    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), p
+    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H)
 
 
-def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride, select):
+def _seen(C, last, length, stride):
+    """How many compressed keys the query at position `last` sees (i stride + length - 1 <= last):
+    a chunk of queries needs no more (causal: the rest would be masked)."""
+    return min(C, max(0, (last - length + 1) // stride + 1))
+
+
+def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride):
     """attention.compressed_attention a chunk of queries at a time (`COMPRESSED_SCORES`):
     C ~ T / stride compressed keys per query would otherwise keep (T, C) per head, memory
-    quadratic in T. A chunk takes only the compressed keys its last query can see (causal:
-    the rest would be masked), which halves the branch's work over a sequence; `select` runs
-    on each chunk's probabilities, so only their choice is kept. checkpoint: recompute each
-    chunk in the backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
+    quadratic in T. A chunk takes only the compressed keys its last query can see, which
+    halves the branch's work over a sequence. checkpoint: recompute each chunk in the
+    backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES)
     run = chunk
     if checkpoint and len(chunks) > 1 and torch.is_grad_enabled():
         run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
-    outs, chosen = [], []
+    outs = []
     for t0, t1 in chunks:
-        last = q_start + t1 - 1  # the chunk's last query position
-        seen = min(C, max(0, (last - length + 1) // stride + 1))  # compressed keys i with i stride + length - 1 <= last
-        out, p = run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride)
-        outs.append(out)
-        chosen.append(select(p, q_start + t0))
-    return torch.cat(outs, 2), torch.cat(chosen, 2)
+        seen = _seen(C, q_start + t1 - 1, length, stride)
+        outs.append(run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride))
+    return torch.cat(outs, 2)
 
 
 blockwise_compressed_attention = functools.partial(_compressed_in_chunks, _blockwise_compressed_chunk, False)
 flex_compressed_attention = functools.partial(_compressed_in_chunks, _compressed_chunk, True)
+
+
+@torch.no_grad()
+def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
+    """attention.block_scores ([NSA] eqs. 8-9) a chunk of queries at a time
+    (`COMPRESSED_SCORES`): the probabilities p^cmp (T x T / stride per head, quadratic by
+    definition) exist one chunk at a time, turned at once into the chunk's (chunk, J) block
+    scores by `sliding_block_scores`. The query heads of a key head share one matmul
+    (`_grouped`)."""
+    with torch.autocast(q.device.type, enabled=False):
+        B, H, T, D = q.shape
+        C = k_cmp.shape[2]
+        q, k = _float32(q, k_cmp)
+        out = []
+        for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES):
+            seen = _seen(C, q_start + t1 - 1, length, stride)
+            q_rows, k_rows, group = _grouped(q[:, :, t0:t1], k[:, :, :seen])
+            p = _compressed_probs(q_rows, k_rows, float(scale), q_start + t0, length, stride, group)
+            out.append(sliding_block_scores(p.view(B, H, t1 - t0, seen), J, length, stride, block))
+        return torch.cat(out, 2)
 
 
 def sliding_block_scores(p_cmp, J, length, stride, block):
@@ -1188,7 +1213,7 @@ BLOCKWISE = Ops(
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
     selected_attention=blockwise_selected_attention, compressed_attention=blockwise_compressed_attention,
-    block_scores=sliding_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
+    block_scores=chunked_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate)
 
 
@@ -1519,5 +1544,5 @@ FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
-    compressed_attention=flex_compressed_attention, block_scores=sliding_block_scores,
+    compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
     indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)
