@@ -937,16 +937,14 @@ class CombinerAttention(CausalSelfAttention):
 def top_blocks(scores, valid, forced, n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
     the slots left when fewer than n are valid. The tie rule: equal scores go to the most
-    recent block (so equal scores read as a window). scores (.., T, J) float, valid and forced
-    (T, J) bool. No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
-    scores = scores.detach().float()
-    scores = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    recent block (a stable sort of the blocks taken most recent first), so equal scores read as
+    a window. scores (.., T, J) float, valid and forced (T, J) bool. No gradient: the choice of
+    blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    scores = scores.detach().float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
     if scores.shape[-1] < n:  # fewer blocks than slots: the spare slots stay empty
         scores = F.pad(scores, (0, n - scores.shape[-1]), value=float("-inf"))
-    J = scores.shape[-1]
-    # a stable sort of the blocks, most recent first, keeps equal scores in that order
     top, order = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
-    return (J - 1 - order[..., :n]).masked_fill(top[..., :n] == float("-inf"), -1)
+    return (scores.shape[-1] - 1 - order[..., :n]).masked_fill(top[..., :n] == float("-inf"), -1)
 
 
 def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
@@ -1051,11 +1049,7 @@ class NativeSparseAttention(CausalSelfAttention):
     nsa_window; paper: 32, 16, 64, 16, 512 at 8k tokens; defaults here for T = 1024: 16, 8,
     32, 8, 128 (~512 keys per query at t = 1023); the cpu preset at T = 256: 8, 4, 16, 5, 32.
     Init (ours): W_g = 0, b_g = 0, every gate 0.5 (the sigmoid's steepest point, like dsa's).
-    The KV cache keeps every key (a later query may select any block).
     """
-    FROM_PRETRAINED = ("not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 "
-                       "attention outputs")
-
     BRANCHES = ("cmp", "slc", "win")
 
     def __init__(self, cfg):
@@ -1107,13 +1101,16 @@ class NativeSparseAttention(CausalSelfAttention):
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, block, blocks)
         if "win" in self.branches:
             out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
-        g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H)  # (B, T, branch, H)
+        g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H).permute(2, 0, 3, 1)[..., None]  # (branch, B, H, T, 1)
         for i, name in enumerate(self.BRANCHES):
-            self.note(f"gate_{name}", g[:, :, i])
+            self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)
         self.note("selection", blocks)
-        self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.nsa_block))
-        g = g.permute(0, 2, 3, 1).unsqueeze(-1)  # (B, branch, H, T, 1)
-        return sum(g[:, self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)  # eq. 5
+        self.note("selected_distance", lambda: block_distance(blocks, q_start, block))
+        return sum(g[self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)  # eq. 5
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 "
+                       "attention outputs")
 
     @classmethod
     def check_config(cls, cfg):
