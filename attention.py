@@ -1,8 +1,18 @@
 """The attention variants. Read top to bottom: for each variant, its definition (dense
 reference functions, the paper's equations in named stages, with their numbers) directly
 above its class, which is only the model-facing glue (projections, gate parameters and their
-initialisation, calling the operations through `self.ops`). `python attention.py` draws which
-keys each query reads under every variant (`--show=NAME` for one).
+initialisation, calling the operations through `self.ops`). What only the plan, the FLOP
+count, the budget check, the KV cache, conversion and analysis read sits at the end of each
+class under one marker line, `# -- not the method (skip it)`; helpers two methods share sit
+in a labelled section before both. `python attention.py` draws which keys each query reads
+under every variant (`--show=NAME` for one).
+
+This file is not what runs by default. kernel='fused' (the default) runs kernels.py's fast
+forms of these functions: FLEX (FlexAttention + SDPA) on CUDA, BLOCKWISE on CPU; only
+kernel='ref' runs this file as written (`ops`, at the end). Tests hold the two equal, outputs
+and gradients: tests/test_kernels.py (every variant and flag, both paths),
+test_sparse_baselines.py (nsa, moba), test_indexer.py (indexer), test_combiner.py (combiner);
+and tests/test_meaning.py holds this file to the equations written out as loops.
 
 References (the short names are used everywhere below):
   [DSA]   "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis" (Aardvark,
@@ -513,6 +523,10 @@ class DynamicSparseAttention(CausalSelfAttention):
 
 
 # ---------------------------------------------------------------------------- asga
+# [ASGA]'s equations, which the two functions below and ASGAttention compute:
+#     s_ij^h     = sigmoid(w2_h . GELU(W1_h [LN(q_i^h); LN(k_j^h)] + b1_h) + b2_h)   (eq. 1)
+#     alpha_ij^h = softplus(gamma_h) * q_i^h . k_j^h / sqrt(d)                      (eq. 2)
+#     y_i^h      = softmax_{j <= i}(alpha^h ⊙ s^h) v^h                              (eq. 3)
 
 def pair_gate_logit(q_term, k_term, w2, b2):
     """(B, H, T, S): w2 . GELU(q_term_t + k_term_s) + b2 per head ([ASGA] eq. 1 before its
@@ -539,11 +553,8 @@ def pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_star
 class ASGAttention(CausalSelfAttention):
     """`asga`: Adaptive Sparse-Geometric Attention ([ASGA]; validation loss 5.148).
 
-    The paper says:
-        s_ij^h     = sigmoid(w2_h . GELU(W1_h [LN(q_i^h); LN(k_j^h)] + b1_h) + b2_h)   (eq. 1)
-        alpha_ij^h = softplus(gamma_h) * q_i^h . k_j^h / sqrt(d)                      (eq. 2)
-        y_i^h      = softmax_{j <= i}(alpha^h ⊙ s^h) v^h                              (eq. 3)
-    and ablates "fixed sparsity patterns" (5.087) and the geometric scale.
+    The paper says eqs. 1-3 (at the top of this section) and ablates "fixed sparsity
+    patterns" (5.087) and the geometric scale.
 
     What eq. 3 does: s in (0, 1) multiplies the logits, so it is a per-pair *temperature*,
     not a sparsifier: a lower s pulls a logit toward 0, which *raises* the weight of a key
@@ -688,8 +699,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
       logits get log sigmoid((w_i - (i - j)) / caa_tau), tau = 8 tokens, and keys more than
       W_max back are masked, so the branch stays local;
     - top-k: k_i = ceil(sqrt(i + 1)) per query position (k = O(sqrt(n)) applied to each
-      query's own context), chosen among all keys j <= i, local ones included; keys tied
-      with the k_i-th score are all kept (`topk_mask`);
+      query's own context), chosen among all keys j <= i, local ones included (the tie
+      rule: `topk_mask`);
     - the gate: g(x) = sigmoid(W2 GELU(W1 x + b1) + b2) in R^H, one gate per head, hidden
       width caa_hidden; both branches share the q, k, v projections;
     - the gate-gradient normalization: caa_gate_norm=True puts a LayerNorm (no affine) on the
@@ -1291,10 +1302,10 @@ def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
 
 
 def top_keys(scores, n):
-    """(B, T, n) long: each query's n keys of highest score, ties broken toward the most recent
-    key, -1 in the slots beyond its visible keys (-inf scores). scores (B, T, S). No gradient.
-    ReLU makes exact zeros common, so ties are frequent: an indexer whose scores are all 0
-    picks the n most recent keys, a window."""
+    """(B, T, n) long: each query's n keys of highest score, -1 in the slots beyond its
+    visible keys (-inf scores). The tie rule: equal scores go to the most recent key. ReLU
+    makes exact zeros common, so ties are frequent: an indexer whose scores are all 0 picks
+    the n most recent keys, a window. scores (B, T, S). No gradient."""
     S = scores.shape[-1]
     recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
     if S < n:  # fewer keys than slots: the spare slots stay empty
@@ -1371,7 +1382,7 @@ class IndexerAttention(CausalSelfAttention):
         S_t = the min(k, t + 1) visible keys of highest I[t, :]
         u_t = softmax over s in S_t of q_t . k_s / sqrt(d), times v          ([DS32] eq. 2)
     One selection per query, shared by every head ([DS32]'s code adds one -inf mask to all
-    heads); ties go to the most recent key (`top_keys`); the selection passes no gradient.
+    heads); the tie rule is `top_keys`'s; the selection passes no gradient.
     Training ([DS32] §2.1): the indexer learns from L^I alone (`indexer_kl`, eqs. 3-4; its
     input x is detached), the main model from the language-model loss alone. After a forward
     in training mode L^I is `self.indexer_loss`, which train.py adds to the loss.
@@ -1416,14 +1427,6 @@ class IndexerAttention(CausalSelfAttention):
             raise ValueError(f"indexer: {k_idx.shape[1]} indexer keys for {S} keys; decode through the model's "
                              f"KV cache, which keeps them")
         return q_idx, k_idx, w
-
-    def index_scores(self, x, q_start, k_start):
-        """(B, T, S) float32 scores I of the queries q_start .. among the keys k_start ..;
-        x (B, S, C): the block's normalised inputs at the key positions k_start .., the
-        queries being its last T = k_start + S - q_start. -inf where a key is not visible."""
-        q_idx, k_idx, w = self.indexer(x.detach(), k_start)
-        first = q_start - k_start
-        return lightning_scores(q_idx[:, first:], k_idx, w[:, first:], q_start, k_start)
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         op = self.ops(q.device)
