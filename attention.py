@@ -1270,76 +1270,6 @@ class MixtureOfBlockAttention(CausalSelfAttention):
 
 # ---------------------------------------------------------------------------- indexer (DeepSeek Sparse Attention)
 
-def selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
-    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
-    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
-    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
-    choice: reference only."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
-    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    mask = listed(keys, S)[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
-    return softmax_or_zero(logits, mask).to(v.dtype) @ v
-
-
-def listed(keys, S):
-    """(B, T, S) bool: True at the keys each query lists in keys (B, T, n), -1 = none."""
-    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
-    return torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=keys.device).scatter_(-1, slot, True)[..., :S]
-
-
-def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
-    """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
-    -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
-    its keys (one per token, shared by the J heads), w (B, T, J) its head weights."""
-    B, T, J, d = q_BTJD.shape
-    S = k_BSD.shape[1]
-    dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)
-    scores = (F.relu(dots) * w_BTJ.float()[..., None]).sum(2)  # (B, T, S)
-    return scores.masked_fill(~allowed(T, S, q_start, k_start, scores.device), float("-inf"))
-
-
-def top_keys(scores, n):
-    """(B, T, n) long: each query's n keys of highest score, -1 in the slots beyond its
-    visible keys (-inf scores). The tie rule: equal scores go to the most recent key. ReLU
-    makes exact zeros common, so ties are frequent: an indexer whose scores are all 0 picks
-    the n most recent keys, a window. scores (B, T, S). No gradient."""
-    S = scores.shape[-1]
-    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
-    if S < n:  # fewer keys than slots: the spare slots stay empty
-        recent_first = F.pad(recent_first, (0, n - S), value=float("-inf"))
-    # a stable sort keeps equal scores in column order, i.e. the most recent key first
-    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
-    keys = S - 1 - order[..., :n]
-    return keys.masked_fill(top[..., :n] == float("-inf"), -1)
-
-
-@torch.no_grad()
-def indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
-    """(B, T, min(n, S)) long: each query's top keys by the lightning indexer (eq. 1, `top_keys`)."""
-    return top_keys(lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
-
-
-def indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
-    """L^I ([DS32] §2.1, eqs. 3-4): the mean over queries of KL(p_t || softmax(I[t, :])) over
-    the visible keys (keys None: the dense warm-up) or over the listed keys (B, T, n) (the
-    sparse stage). p_t: the main attention's probabilities (q, k without gradient) summed over
-    heads and L1-normalised; I = lightning_scores, with gradient (into the indexer alone)."""
-    B, H, T, _ = q.shape
-    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S), -inf where not visible
-    with torch.no_grad():
-        logits = (q.detach().float() @ expand_kv(k.detach().float(), H).transpose(-2, -1)) * scale
-        visible = scores.isfinite()[:, None]  # (B, 1, T, S)
-        if keys is not None:
-            visible = visible & listed(keys, k.shape[2])[:, None]
-        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): summed over heads, L1-normalised
-    log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
-    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
-    return kl.sum() / (B * T)
-
-
 class LightningIndexer(nn.Module):
     """[DS32]'s lightning indexer, in our model's terms (no MLA, no query latent: it reads the
     block's normalised input x, as the main q, k, v do):
@@ -1375,6 +1305,76 @@ class LightningIndexer(nn.Module):
         return q, k, w
 
 
+def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
+    """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
+    -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
+    its keys (one per token, shared by the J heads), w (B, T, J) its head weights."""
+    B, T, J, d = q_BTJD.shape
+    S = k_BSD.shape[1]
+    dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)
+    scores = (F.relu(dots) * w_BTJ.float()[..., None]).sum(2)  # (B, T, S)
+    return scores.masked_fill(~allowed(T, S, q_start, k_start, scores.device), float("-inf"))
+
+
+def top_keys(scores, n):
+    """(B, T, n) long: each query's n keys of highest score, -1 in the slots beyond its
+    visible keys (-inf scores). The tie rule: equal scores go to the most recent key. ReLU
+    makes exact zeros common, so ties are frequent: an indexer whose scores are all 0 picks
+    the n most recent keys, a window. scores (B, T, S). No gradient."""
+    S = scores.shape[-1]
+    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
+    if S < n:  # fewer keys than slots: the spare slots stay empty
+        recent_first = F.pad(recent_first, (0, n - S), value=float("-inf"))
+    # a stable sort keeps equal scores in column order, i.e. the most recent key first
+    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
+    keys = S - 1 - order[..., :n]
+    return keys.masked_fill(top[..., :n] == float("-inf"), -1)
+
+
+@torch.no_grad()
+def indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
+    """(B, T, min(n, S)) long: each query's top keys by the lightning indexer (eq. 1, `top_keys`)."""
+    return top_keys(lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
+
+
+def listed(keys, S):
+    """(B, T, S) bool: True at the keys each query lists in keys (B, T, n), -1 = none."""
+    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
+    return torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=keys.device).scatter_(-1, slot, True)[..., :S]
+
+
+def selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
+    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
+    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
+    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
+    choice: reference only."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    mask = listed(keys, S)[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
+    return softmax_or_zero(logits, mask).to(v.dtype) @ v
+
+
+def indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """L^I ([DS32] §2.1, eqs. 3-4): the mean over queries of KL(p_t || softmax(I[t, :])) over
+    the visible keys (keys None: the dense warm-up) or over the listed keys (B, T, n) (the
+    sparse stage). p_t: the main attention's probabilities (q, k without gradient) summed over
+    heads and L1-normalised; I = lightning_scores, with gradient (into the indexer alone)."""
+    B, H, T, _ = q.shape
+    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S), -inf where not visible
+    with torch.no_grad():
+        logits = (q.detach().float() @ expand_kv(k.detach().float(), H).transpose(-2, -1)) * scale
+        visible = scores.isfinite()[:, None]  # (B, 1, T, S)
+        if keys is not None:
+            visible = visible & listed(keys, k.shape[2])[:, None]
+        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): summed over heads, L1-normalised
+    log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
+    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
+    return kl.sum() / (B * T)
+
+
 class IndexerAttention(CausalSelfAttention):
     """`indexer`: DeepSeek Sparse Attention ([DS32]; DeepSeek-V3.2, at 671B, not our scale).
 
@@ -1396,8 +1396,7 @@ class IndexerAttention(CausalSelfAttention):
     index_head_dim = 64 (the paper: 64 of 128; 4 x 64 against our 12 x 64 heads keeps the
     paper's indexer-to-attention cost per score); k = index_topk, 0 meaning the window, so
     `indexer` and `local` see as many keys per query (the paper: 2048 at up to 128K). The
-    scores are dense O(T^2) by design (the paper's are). The KV cache keeps every key, and
-    its `state` every indexer key (a later query may select any).
+    scores are dense O(T^2) by design (the paper's are).
     """
 
     def __init__(self, cfg):
@@ -1417,7 +1416,7 @@ class IndexerAttention(CausalSelfAttention):
 
     def index_inputs(self, x, q_start, S, cache=None):
         """The indexer's queries, weights (for the T queries in x) and keys (for the S keys),
-        from the detached x; with a KV cache the earlier keys come from its state."""
+        from the detached x; with a KV cache the earlier keys come from its `state`, which keeps all."""
         q_idx, k_idx, w = self.indexer(x.detach(), q_start)
         if cache is not None:
             if "index_keys" in cache.state:
