@@ -72,8 +72,9 @@ here and the loops write into float32 buffers):
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
-FLEX's selected attention: the same, with a (B, T, S) bool choice read by the mask_mod
-(`selected_block_mask`).
+FLEX's selected attention (`flex_selected_attention`): the listed keys read by index, in a
+compiled function whose gathers inductor folds into the two reductions (scores, output):
+O(T n) work, no (T, n, D) tensor; not FlexAttention, whose tiles cannot follow per-token choices.
 FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
 blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
 128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
@@ -1024,18 +1025,22 @@ def _selected_chunk(q, k, v, keys, first):
 
 
 # ---------------------------------------------------------------------------- both sets: stages a chunk of queries at a time
-# nsa's compressed branch, the indexer's scores and its KL loss, and asga's recorded gate
-# statistic read every visible key of every query: dense, each keeps a (T, S) tensor per head
-# (or per indexer head). Here they run a chunk of queries at a time, each chunk at most these
-# many elements, so memory stays linear in T.
-COMPRESSED_SCORES = 1 << 22  # (B, H, chunk, C) compressed-branch scores
-INDEX_SCORES = 1 << 22  # (B, chunk, heads, S) indexer scores or main attention logits
+# nsa's compressed branch and block scores, the indexer's scores and its KL loss, and asga's
+# recorded gate statistic read every visible key of every query: T^2 by definition, each
+# would keep a (T, S) tensor per head (or per indexer head). Here they run a chunk of
+# queries at a time, each chunk at most these many elements, so memory stays linear in T.
+# Per device: on a GPU the pieces are large (few passes: each is a launch, and in a
+# compiled graph unrolled code), on a CPU cache-sized.
+COMPRESSED_SCORES = dict(cpu=1 << 22, cuda=1 << 27)  # (B, H, chunk, C) compressed-branch scores
+INDEX_SCORES = dict(cpu=1 << 22, cuda=1 << 28)  # (B, chunk, heads, S) indexer scores or main attention logits
 RECORD_ELEMENTS = 1 << 20  # (B, H, chunk, S, r) pair-gate hidden units (4 MB in float32)
 
 
-def query_chunks(T, per_query, budget):
+def query_chunks(T, per_query, budget, device="cpu"):
     """(t0, t1): the T queries in chunks of at most `budget` elements at `per_query` each
-    (one query at least)."""
+    (one query at least). budget: a number, or {device type: number}."""
+    if isinstance(budget, dict):
+        budget = budget.get(torch.device(device).type, budget["cpu"])
     rows = max(1, budget // per_query)
     return [(t0, min(T, t0 + rows)) for t0 in range(0, T, rows)]
 
@@ -1072,7 +1077,7 @@ def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, le
     backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
-    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES)
+    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device)
     run = chunk
     if checkpoint and len(chunks) > 1 and torch.is_grad_enabled():
         run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
@@ -1099,7 +1104,7 @@ def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
         C = k_cmp.shape[2]
         q, k = _float32(q, k_cmp)
         out = []
-        for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES):
+        for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device):
             seen = _seen(C, q_start + t1 - 1, length, stride)
             q_rows, k_rows, group = _grouped(q[:, :, t0:t1], k[:, :, :seen])
             p = _compressed_probs(q_rows, k_rows, float(scale), q_start + t0, length, stride, group)
@@ -1150,7 +1155,7 @@ def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     scores never exist at once."""
     B, T, J, _ = q_idx.shape
     S = k_idx.shape[1]
-    chunks = query_chunks(T, B * J * S, INDEX_SCORES)
+    chunks = query_chunks(T, B * J * S, INDEX_SCORES, q_idx.device)
     return torch.cat([_top_keys(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
                                 min(n, S)) for t0, t1 in chunks], dim=1)
 
@@ -1181,7 +1186,7 @@ def chunked_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     if torch.is_grad_enabled():
         run = functools.partial(torch.utils.checkpoint.checkpoint, _kl_chunk, use_reentrant=False)
     total = 0.0
-    for t0, t1 in query_chunks(T, B * max(H, J) * S, INDEX_SCORES):
+    for t0, t1 in query_chunks(T, B * max(H, J) * S, INDEX_SCORES, q.device):
         total = total + run(q[:, :, t0:t1], k, scale, q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start,
                             None if keys is None else keys[:, t0:t1])
     return total / (B * T)
@@ -1386,9 +1391,9 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
 
 
-# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 256 MB on a GPU,
+# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 1 GB on a GPU,
 # where fewer, larger chunks also keep a compiled graph short (the loop is unrolled in it).
-TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 26)
+TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 28)
 
 
 @torch.no_grad()
@@ -1511,33 +1516,50 @@ def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     return _run_flex(q, k, v, None, mask, scale)
 
 
-def selected_block_mask(keys, T, S, q_start, k_start):
-    """FlexAttention's BlockMask for attention.selected_attention: the mask_mod reads the
-    (B, T, S) choice built from the key lists (shared by the heads, so the mask has one head);
-    a query tile lists the key tiles any of its queries chose. Rebuilt in every call: the
-    selection depends on the data. A per-query top-k set touches most 128 x 128 tiles, so
-    this saves memory (no (T, S) scores), not tiles."""
-    B = keys.shape[0]
-    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
-    slot = torch.where(keys < 0, nk * FLEX_TILE, keys)  # -1 -> a spare column, dropped
-    chosen = torch.zeros(B, nq * FLEX_TILE, nk * FLEX_TILE + 1, dtype=torch.bool, device=keys.device)
-    chosen[:, :T].scatter_(-1, slot, True)
-    chosen = chosen[..., :-1]  # (B, nq * tile, nk * tile), padded rows and columns False
-
-    def mask_mod(b, h, i, j):
-        return (k_start + j <= q_start + i) & chosen[b, i, j]
-
-    tiles = chosen.view(B, nq, FLEX_TILE, nk, FLEX_TILE).any(4).any(2)[:, None]  # (B, 1, nq, nk)
-    kv_num = tiles.sum(-1, dtype=torch.int32)
-    kv_idx = tiles.int().argsort(dim=-1, descending=True, stable=True).int()  # listed tiles first
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
+_compiled_selected = None
 
 
 def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """attention.selected_attention: one FlexAttention call on `selected_block_mask`."""
-    T, S = q.shape[2], k.shape[2]
+    """attention.selected_attention at a cost linear in T x n: each query's n listed keys
+    are read by index, never through a mask over (T, S). Why not FlexAttention: a BlockMask
+    lists, per 128-query tile, the union of its queries' choices, and per-token top-k
+    choices touch nearly every tile (measured: 1.03x the tiles of dense causal attention at
+    T = 4096), so the work stayed quadratic. Here the scores are a product and a sum over D
+    of q with the gathered keys, and the output a sum over the n slots of the
+    probabilities times the gathered values: compiled (on CUDA, or inside a compiled
+    model), inductor turns each into one kernel with indexed loads (and the backward's
+    gradients of k and v into indexed atomic adds), so no (T, n, D) tensor exists, only
+    the (H, T, n) scores [DS32]'s own kernel keeps. The query heads of a key head read the
+    same gathered keys (the selection is per query). Eager (CPU tests, decode-sized calls)
+    it materialises the gathered keys: correct, not fast."""
+    global _compiled_selected
+    fn = _gathered_attention
+    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
+            and not torch.compiler.is_compiling():
+        if _compiled_selected is None:
+            _compiled_selected = torch.compile(_gathered_attention, dynamic=False)
+        fn = _compiled_selected
     q, k, v = _same_dtype(q, k, v)
-    return _run_flex(q, k, v, None, selected_block_mask(keys, T, S, q_start, k_start), scale)
+    return fn(q, k, v, scale, q_start, k_start, keys)
+
+
+def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
+    """flex_selected_attention's computation: q (B, H, T, D), k, v (B, Hkv, S, D), keys
+    (B, T, n) indices into the S keys (-1: empty), float32 scores and softmax."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
+    s = keys.clamp(min=0)[:, None]  # (B, 1, T, n)
+    k_sel, v_sel = k[b, h, s].float(), v[b, h, s].float()  # (B, Hkv, T, n, D): indexed loads when compiled
+    q_g = q.view(B, Hkv, H // Hkv, T, 1, D).float()
+    logits = (q_g * k_sel[:, :, None]).sum(-1) * scale  # (B, Hkv, G, T, n)
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+    ok = ((keys >= 0) & (k_start + keys <= q_pos))[:, None, None]  # (B, 1, 1, T, n): listed and visible
+    some = ok.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
+    p = torch.softmax(logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    out = (p[..., None] * v_sel[:, :, None]).sum(-2)  # (B, Hkv, G, T, D)
+    return out.view(B, H, T, D).to(v.dtype)
 
 
 FLEX = Ops(
