@@ -1415,7 +1415,7 @@ def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
         scores = (qc @ k.float()[:, :, None].transpose(-2, -1)).view(B, H, t1 - t0, S) * scale
         dist = (q_start + t0 + torch.arange(t1 - t0, device=q.device)[:, None]
                 - k_start - torch.arange(S, device=q.device))
-        scores = scores.masked_fill(dist < 0, NEG_INF)
+        scores = scores.masked_fill_(dist < 0, NEG_INF)  # in place: scores is this chunk's own
         top = scores.topk(kk, -1).values  # (B, H, rows, kk)
         k_i = k_per_query[t0:t1].view(1, 1, -1, 1).expand(B, H, -1, 1)
         kth = top.gather(-1, (k_i - 1).clamp(max=kk - 1))  # the k_i-th highest (-inf: fewer keys)
