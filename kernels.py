@@ -593,7 +593,8 @@ class PairGatedAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------- BLOCKWISE: top-k
 
 class TopkAttention(torch.autograd.Function):
-    """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v.
+    """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v
+    (every key tied with the k_t-th kept, attention.topk_mask's tie rule).
 
     q (G, T, D) already scaled; k, v (G, S, D); k_per_query (T,) long, k_max >= all of
     them (a Python int: no host sync to size the buffers). Per query block the
@@ -620,11 +621,16 @@ class TopkAttention(torch.autograd.Function):
             K = min(S, off + t1)
             scores = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=work[:G * (t1 - t0) * K].view(G, t1 - t0, K))
             scores = _mask_future_(scores, t0, off)
-            kmax = min(K, k_max)
-            logits, idx = scores.topk(kmax, -1)  # (G, bq, kmax), best first
-            rank_ok = torch.arange(kmax, device=q.device) < k_per_query[t0:t1, None]  # (bq, kmax)
+            width = min(K, k_max + 1)  # one past every k_t: shows whether a tie runs past the k_t-th
+            logits, idx = scores.topk(width, -1)  # (G, bq, width), best first
+            k_t = (k_per_query[t0:t1] - 1).clamp(max=width - 1).view(1, -1, 1).expand(G, -1, 1)
+            kth = logits.gather(-1, k_t)  # (G, bq, 1): the k_t-th highest score (-inf: fewer keys)
+            # attention.topk_mask's tie rule: every key tied with the k_t-th is kept, so where an
+            # exact tie runs past the buffer (never, but for equal scores), widen it to the ties
+            if width < K and ((logits[..., -1:] >= kth) & (kth > NEG_INF)).any():
+                logits, idx = scores.topk(int(((scores >= kth) & (kth > NEG_INF)).sum(-1).max()), -1)
             # A key after the query is never chosen, even where a row has fewer than k_t keys.
-            keep = rank_ok & (idx <= off + torch.arange(t0, t1, device=q.device)[:, None])
+            keep = (logits >= kth) & (idx <= off + torch.arange(t0, t1, device=q.device)[:, None])
             p = torch.softmax(logits.masked_fill_(~keep, NEG_INF), -1)
             o[:, t0:t1] = torch.bmm(scores.zero_().scatter_(-1, idx, p), v[:, :K])
             chosen.append((idx, p))
@@ -1392,15 +1398,16 @@ TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 28)
 
 @torch.no_grad()
 def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
-    """(B, H, T) float32: a logit between each query's k_i-th and (k_i + 1)-th highest visible
-    score (-inf where it sees at most k_i keys), so `score >= threshold` keeps exactly its
-    top k_i. The midpoint, not the k_i-th score itself, so that FlexAttention's own
-    rounding of the same score cannot flip the choice. Scores exist a chunk of query rows
-    at a time (GQA through a view: each key head's queries in one matmul)."""
+    """(B, H, T) float32: a logit between each query's k_i-th highest visible score and the
+    highest one below it (-inf where none is below), so `score >= threshold` keeps its top
+    k_i and every key tied with the k_i-th (attention.topk_mask's tie rule). The midpoint, not
+    the k_i-th score itself, so that FlexAttention's own rounding of the same score cannot
+    flip the choice. Scores exist a chunk of query rows at a time (GQA through a view: each
+    key head's queries in one matmul)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rows = max(1, TOPK_SCORES.get(q.device.type, 1 << 22) // (B * H * S))
-    kk = min(k_max + 1, S)
+    kk = min(k_max, S)
     out = []
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
@@ -1408,10 +1415,11 @@ def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
         scores = (qc @ k.float()[:, :, None].transpose(-2, -1)).view(B, H, t1 - t0, S) * scale
         dist = (q_start + t0 + torch.arange(t1 - t0, device=q.device)[:, None]
                 - k_start - torch.arange(S, device=q.device))
-        top = scores.masked_fill(dist < 0, NEG_INF).topk(kk, -1).values  # (B, H, rows, kk)
+        scores = scores.masked_fill_(dist < 0, NEG_INF)  # in place: scores is this chunk's own
+        top = scores.topk(kk, -1).values  # (B, H, rows, kk)
         k_i = k_per_query[t0:t1].view(1, 1, -1, 1).expand(B, H, -1, 1)
-        kth = top.gather(-1, (k_i - 1).clamp(max=kk - 1))
-        after = top.gather(-1, k_i.clamp(max=kk - 1)).masked_fill(k_i >= kk, NEG_INF)
+        kth = top.gather(-1, (k_i - 1).clamp(max=kk - 1))  # the k_i-th highest (-inf: fewer keys)
+        after = scores.masked_fill_(scores >= kth, NEG_INF).amax(-1, keepdim=True)  # the highest below it
         out.append(torch.where(after > NEG_INF, (kth + after) / 2, NEG_INF)[..., 0])
     return torch.cat(out, 2)
 

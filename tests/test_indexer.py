@@ -60,6 +60,11 @@ def run(module, kernel, q, k, v, x, q_start=0):
         module.cfg = cfg
 
 
+def index_scores(module, x):
+    """(B, T, T) float32: the indexer's scores I of every query of x among its keys ([DS32] eq. 1)."""
+    return attention.lightning_scores(*module.indexer(x.detach(), 0), 0, 0)
+
+
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-2)).item()
 
@@ -147,7 +152,7 @@ def test_scores_equal_the_loop():
     module = make()
     x = inputs(module, 13, B=2)[3]
     with torch.no_grad():
-        got = module.index_scores(x, 0, 0)
+        got = index_scores(module, x)
     want = scores_loop(module, x)
     assert got.shape == (2, 13, 13)
     assert torch.equal(got.isinf(), want.isinf())
@@ -155,11 +160,13 @@ def test_scores_equal_the_loop():
 
 
 def test_scores_of_the_last_queries_only():
-    """index_scores(x, q_start, k_start): the queries are the last T of x's positions."""
+    """lightning_scores of the last queries (q_start > k_start) are the last rows of all of them."""
     module = make()
     x = inputs(module, 13)[3]
     with torch.no_grad():
-        assert torch.equal(module.index_scores(x, 9, 0), module.index_scores(x, 0, 0)[:, 9:])
+        q_idx, k_idx, w = module.indexer(x, 0)
+        last = attention.lightning_scores(q_idx[:, 9:], k_idx, w[:, 9:], 9, 0)
+        assert torch.equal(last, attention.lightning_scores(q_idx, k_idx, w, 0, 0)[:, 9:])
 
 
 @pytest.mark.parametrize("topk", [1, 4, 20])
@@ -172,7 +179,7 @@ def test_selection_and_attention_equal_the_loops(topk, monkeypatch):
     q, k, v, x = inputs(module, 17, B=2)
     monkeypatch.setattr(kernels, "INDEX_SCORES", 2 * 17 * 5)  # 5 queries a chunk
     with torch.no_grad():
-        scores = module.index_scores(x, 0, 0)
+        scores = index_scores(module, x)
         assert (scores == 0).float().mean() > 0.2  # ties are frequent
         chosen = selection_loop(scores, topk)
         for select in (attention.indexer_topk, kernels.chunked_indexer_topk):
@@ -217,7 +224,7 @@ def test_index_topk_defaults_to_the_window():
 def test_kl_equals_the_hand_computation_in_both_stages():
     module = make(index_topk=4).train()
     q, k, v, x = inputs(module, 11, B=2)
-    scores = module.index_scores(x, 0, 0).detach()
+    scores = index_scores(module, x).detach()
     for dense in (True, False):
         module.dense_warmup = dense
         run(module, "ref", q, k, v, x)

@@ -264,6 +264,32 @@ def test_moba_selection_is_a_brute_force_sort():
                 assert got == expected, (b, h, t, got, expected)
 
 
+def test_moba_ties_go_to_the_most_recent_blocks():
+    """The tie rule of `top_blocks`: with one key repeated, every block mean and every score is
+    equal, and each query reads its own block and the k - 1 blocks just before it (a window)."""
+    module = make("moba")
+    q, k, _, _ = inputs(module, 45, B=2)
+    k = k[:, :, :1].expand_as(k)
+    blocks = attention.moba_select(q, k, 0, 8, 3)  # (B, H, T, 3)
+    for t in range(45):
+        want = {j for j in (t // 8, t // 8 - 1, t // 8 - 2) if j >= 0}
+        for row in blocks[:, :, t].reshape(-1, 3).tolist():
+            assert {j for j in row if j >= 0} == want, (t, row)
+
+
+def test_nsa_ties_go_to_the_most_recent_blocks():
+    """The tie rule of `top_blocks` in nsa's choice (eqs. 10-12): with every block score equal,
+    a query reads the 3 forced blocks (the first, its own, the one before) and the most recent
+    others, n in all."""
+    scores = torch.zeros(1, 4, 45, 6)  # (B, H, T, J): blocks of 8, 6 up to the last query's own
+    blocks = attention.nsa_top_blocks(scores, 0, 8, 5, 2)
+    for t in range(45):
+        own = t // 8
+        want = {0, own, own - 1, own - 2, own - 3} if own >= 4 else set(range(own + 1))
+        for row in blocks[:, :, t].reshape(-1, 5).tolist():
+            assert {j for j in row if j >= 0} == want, (t, row)
+
+
 def test_nsa_forced_blocks_and_selection_size():
     module = make("nsa", nsa_topk=5)
     q, k, v, x = inputs(module, 45, B=2)
