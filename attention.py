@@ -942,20 +942,23 @@ def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     return softmax_or_zero(logits, mask).to(v.dtype) @ v
 
 
-def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride, select):
-    """[NSA]'s compressed branch (eqs. 7-8): compressed key i summarises positions
-    i*stride .. i*stride + length - 1 and is visible to query t once its last position is
-    <= t ([xl], [fla] likewise); a query that sees none gets 0 ([fla-nsa], [xl]). The
-    probabilities p (B, H, T, C) float32 are also eq. 8's importance scores (no separate
-    scorer). Returns the output (B, H, T, D) and select(p, q_start), the blocks p chooses: the
-    fast forms compute p a chunk of queries at a time and keep only the choice."""
+def compressed_probs(q, k_cmp, scale, q_start, length, stride):
+    """(B, H, T, C) float32: p^cmp_t = softmax_i(q_t . K^cmp_i * scale) ([NSA] eq. 8) over
+    the compressed keys a query can see: key i summarises positions i*stride ..
+    i*stride + length - 1 and is visible to query t once its last position is <= t ([xl],
+    [fla] likewise); a query that sees none gets 0 ([fla-nsa], [xl])."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     visible = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C)
-    p = softmax_or_zero(logits, visible)  # p^cmp_t, eq. 8
-    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), select(p, q_start)
+    return softmax_or_zero(logits, visible)
+
+
+def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """(B, H, T, D): [NSA]'s compressed branch, sum_i p^cmp_ti V^cmp_i (eqs. 7-8)."""
+    p = compressed_probs(q, k_cmp, scale, q_start, length, stride)
+    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, q.shape[1])
 
 
 def block_overlap(C, J, length, stride, block, device):
@@ -968,9 +971,12 @@ def block_overlap(C, J, length, stride, block, device):
     return shared.float() / stride
 
 
-def block_scores(p_cmp, J, length, stride, block):
-    """(.., J): p^slc_j = sum_i p^cmp_i |key i ∩ block j| / stride of blocks 0 .. J-1 ([NSA]
-    eq. 9), p_cmp (.., C)."""
+@torch.no_grad()
+def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
+    """(B, H, T, J) float32: p^slc_j = sum_i p^cmp_i |key i ∩ block j| / stride of blocks
+    0 .. J-1 ([NSA] eq. 9), from the compressed branch's own probabilities p^cmp (eq. 8: no
+    separate scorer). No gradient: they only choose blocks, a discrete choice."""
+    p_cmp = compressed_probs(q, k_cmp, scale, q_start, length, stride)  # (B, H, T, C)
     return p_cmp @ block_overlap(p_cmp.shape[-1], J, length, stride, block, p_cmp.device)
 
 
@@ -1060,24 +1066,20 @@ class NativeSparseAttention(CausalSelfAttention):
             pooled = pooled + self.compress_mlp[which](flat).to(pooled.dtype)
         return pooled
 
-    def select(self, p_cmp, q_start):
-        """(B, H, T, n): the blocks each query reads, from its compressed branch's
-        probabilities p_cmp (B, H, T, C) (eqs. 9-12)."""
-        cfg = self.cfg
-        J = ceil_div(q_start + p_cmp.shape[2], cfg.nsa_block)  # blocks up to the last query's own
-        scores = self.ops(p_cmp.device).block_scores(p_cmp.detach(), J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
-                                                     cfg.nsa_block)  # eq. 9
-        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head)
-
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg, op = self.cfg, self.ops(q.device)
         need_every_key("nsa", k_start)
         B, H, T, _ = q.shape
+        l, d, block = cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block
+        k_cmp, v_cmp = self.compress(k, "k"), self.compress(v, "v")  # eq. 7
         out = {}
-        out["cmp"], blocks = op.compressed_attention(q, self.compress(k, "k"), self.compress(v, "v"), self.scale,
-                                                     q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, self.select)
+        if "cmp" in self.branches:
+            out["cmp"] = op.compressed_attention(q, k_cmp, v_cmp, self.scale, q_start, l, d)  # eq. 8
+        J = ceil_div(q_start + T, block)  # blocks up to the last query's own
+        scores = op.block_scores(q, k_cmp, self.scale, q_start, l, d, block, J)  # eqs. 8-9
+        blocks = nsa_top_blocks(scores, q_start, block, cfg.nsa_topk, self.n_kv_head)  # eqs. 10-12
         if "slc" in self.branches:
-            out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
+            out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, block, blocks)
         if "win" in self.branches:
             out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
         g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H)  # (B, T, branch, H)

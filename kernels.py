@@ -6,8 +6,8 @@
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
   selected_attention(q, k, v, scale, q_start, k_start, keys)
-  compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride, select)   (nsa)
-  block_scores(p_cmp, J, length, stride, block)                                   (nsa)
+  compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)           (nsa)
+  block_scores(q, k_cmp, scale, q_start, length, stride, block, J)                (nsa)
   indexer_topk(q_idx, k_idx, w, q_start, k_start, n)                              (indexer)
   indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)                (indexer)
   mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
@@ -66,13 +66,15 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see, returning the probabilities that select the blocks too; the backward
-  recomputes them (FLEX: the dense chunk, checkpointed).
+  keys it can see; the backward recomputes the probabilities (FLEX: the dense chunk,
+  checkpointed). Its block scores (`chunked_block_scores`, both sets) recompute the same
+  probabilities a chunk at a time without gradient and keep only (T, J).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
-FLEX's selected attention: the same, with a (B, T, S) bool choice read by the mask_mod
-(`selected_block_mask`).
+FLEX's selected attention (`flex_selected_attention`): the listed keys read by index, in a
+compiled function whose gathers inductor folds into the two reductions (scores, output):
+O(T n) work, no (T, n, D) tensor; not FlexAttention, whose tiles cannot follow per-token choices.
 FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
 blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
 128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
@@ -927,25 +929,22 @@ def _compressed_probs(q, k, scale, q_start, length, stride, group):
 
 class CompressedAttention(torch.autograd.Function):
     """attention.compressed_attention for q (N, T, D), k, v (N, C, D) in float32: returns the
-    output (N, T, D) and the probabilities (N, T, C), the latter without a gradient (nsa
-    uses them only to select blocks, a discrete choice). Keeps q, k, v and the output; the
-    backward recomputes the probabilities once ([Flash]'s recomputation) and uses
-    rowsum(dO * O) for the softmax's backward. Why not attention.py's function under a
-    checkpoint (what ran before): the checkpoint recomputed the output too, and the
-    reference's out-of-place masks and zero-row handling made five passes over each (T, C)
-    chunk per direction; here the masking is one in-place pass."""
+    output (N, T, D). Keeps q, k, v and the output; the backward recomputes the
+    probabilities once ([Flash]'s recomputation) and uses rowsum(dO * O) for the softmax's
+    backward. Why not attention.py's function under a checkpoint (what ran before): the
+    checkpoint recomputed the output too, and the reference's out-of-place masks and
+    zero-row handling made five passes over each (T, C) chunk per direction; here the
+    masking is one in-place pass."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, q_start, length, stride, group):
-        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
-        out = torch.bmm(p, v)
+        out = torch.bmm(_compressed_probs(q, k, scale, q_start, length, stride, group), v)
         ctx.save_for_backward(q, k, v, out)
         ctx.geometry = scale, q_start, length, stride, group
-        ctx.mark_non_differentiable(p)
-        return out, p
+        return out
 
     @staticmethod
-    def backward(ctx, d_out, _):
+    def backward(ctx, d_out):
         q, k, v, out = ctx.saved_tensors
         scale = ctx.geometry[0]
         p = _compressed_probs(q, k, *ctx.geometry)
@@ -955,20 +954,25 @@ class CompressedAttention(torch.autograd.Function):
         return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None, None
 
 
+def _grouped(q, k_cmp):
+    """q (B, H, T, D) -> (B Hkv, G T, D), the G = H / Hkv query heads of a key head stacked
+    along the rows (a view when G = 1), and k_cmp (B, Hkv, C, D) -> (B Hkv, C, D): the
+    compressed keys enter as views, never copied per query head (expand_kv), so the chunks
+    that each keep the keys they see stay linear in T."""
+    B, H, T, D = q.shape
+    Hkv = k_cmp.shape[1]
+    return q.reshape(B * Hkv, H // Hkv * T, D), k_cmp.flatten(0, 1), H // Hkv
+
+
 def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
     """One chunk of queries of attention.compressed_attention through `CompressedAttention`
-    (float32; scale a float): no checkpoint needed, the function keeps O(T D). The query
-    heads of a key head are stacked along the rows, so k_cmp and v_cmp enter as views: the
-    chunks each keep the compressed keys they see, and copies (expand_kv) would make that
-    (T / chunk) * C * D, quadratic in T. Returns the output and the probabilities."""
+    (float32; scale a float): no checkpoint needed, the function keeps O(T D)."""
     with torch.autocast(q.device.type, enabled=False):
         B, H, T, D = q.shape
-        Hkv = k_cmp.shape[1]
         q, k, v = _float32(q, k_cmp, v_cmp)
-        q = q.reshape(B * Hkv, H // Hkv * T, D)  # (B Hkv, G T, D): a view when G = 1
-        out, p = CompressedAttention.apply(q, k.flatten(0, 1), v.flatten(0, 1), float(scale), q_start, length, stride,
-                                           H // Hkv)
-        return out.view(B, H, T, -1), p.view(B, H, T, -1)
+        q_rows, k_rows, group = _grouped(q, k)
+        out = CompressedAttention.apply(q_rows, k_rows, v.flatten(0, 1), float(scale), q_start, length, stride, group)
+        return out.view(B, H, T, -1)
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: selected keys
@@ -1015,18 +1019,22 @@ def _selected_chunk(q, k, v, keys, first):
 
 
 # ---------------------------------------------------------------------------- both sets: stages a chunk of queries at a time
-# nsa's compressed branch, the indexer's scores and its KL loss, and asga's recorded gate
-# statistic read every visible key of every query: dense, each keeps a (T, S) tensor per head
-# (or per indexer head). Here they run a chunk of queries at a time, each chunk at most these
-# many elements, so memory stays linear in T.
-COMPRESSED_SCORES = 1 << 22  # (B, H, chunk, C) compressed-branch scores
-INDEX_SCORES = 1 << 22  # (B, chunk, heads, S) indexer scores or main attention logits
+# nsa's compressed branch and block scores, the indexer's scores and its KL loss, and asga's
+# recorded gate statistic read every visible key of every query: T^2 by definition, each
+# would keep a (T, S) tensor per head (or per indexer head). Here they run a chunk of
+# queries at a time, each chunk at most these many elements, so memory stays linear in T.
+# Per device: on a GPU the pieces are large (few passes: each is a launch, and in a
+# compiled graph unrolled code), on a CPU cache-sized.
+COMPRESSED_SCORES = dict(cpu=1 << 22, cuda=1 << 27)  # (B, H, chunk, C) compressed-branch scores
+INDEX_SCORES = dict(cpu=1 << 22, cuda=1 << 28)  # (B, chunk, heads, S) indexer scores or main attention logits
 RECORD_ELEMENTS = 1 << 20  # (B, H, chunk, S, r) pair-gate hidden units (4 MB in float32)
 
 
-def query_chunks(T, per_query, budget):
+def query_chunks(T, per_query, budget, device="cpu"):
     """(t0, t1): the T queries in chunks of at most `budget` elements at `per_query` each
-    (one query at least)."""
+    (one query at least). budget: a number, or {device type: number}."""
+    if isinstance(budget, dict):
+        budget = budget.get(torch.device(device).type, budget["cpu"])
     rows = max(1, budget // per_query)
     return [(t0, min(T, t0 + rows)) for t0 in range(0, T, rows)]
 
@@ -1039,41 +1047,63 @@ def _softmax_or_zero(logits, mask):
 
 
 def _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention's output and probabilities for one chunk of queries, as
-    written there (FLEX's chunks, checkpointed: in the autocast dtype on a GPU)."""
+    """attention.compressed_attention for one chunk of queries, as written there (FLEX's
+    chunks, checkpointed: in the autocast dtype on a GPU)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     p = _softmax_or_zero(logits, torch.arange(C, device=q.device) * stride + length - 1 <= q_pos)
-    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H), p
+    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H)
 
 
-def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride, select):
+def _seen(C, last, length, stride):
+    """How many compressed keys the query at position `last` sees (i stride + length - 1 <= last):
+    a chunk of queries needs no more (causal: the rest would be masked)."""
+    return min(C, max(0, (last - length + 1) // stride + 1))
+
+
+def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride):
     """attention.compressed_attention a chunk of queries at a time (`COMPRESSED_SCORES`):
     C ~ T / stride compressed keys per query would otherwise keep (T, C) per head, memory
-    quadratic in T. A chunk takes only the compressed keys its last query can see (causal:
-    the rest would be masked), which halves the branch's work over a sequence; `select` runs
-    on each chunk's probabilities, so only their choice is kept. checkpoint: recompute each
-    chunk in the backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
+    quadratic in T. A chunk takes only the compressed keys its last query can see, which
+    halves the branch's work over a sequence. checkpoint: recompute each chunk in the
+    backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
-    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES)
+    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device)
     run = chunk
     if checkpoint and len(chunks) > 1 and torch.is_grad_enabled():
         run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
-    outs, chosen = [], []
+    outs = []
     for t0, t1 in chunks:
-        last = q_start + t1 - 1  # the chunk's last query position
-        seen = min(C, max(0, (last - length + 1) // stride + 1))  # compressed keys i with i stride + length - 1 <= last
-        out, p = run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride)
-        outs.append(out)
-        chosen.append(select(p, q_start + t0))
-    return torch.cat(outs, 2), torch.cat(chosen, 2)
+        seen = _seen(C, q_start + t1 - 1, length, stride)
+        outs.append(run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride))
+    return torch.cat(outs, 2)
 
 
 blockwise_compressed_attention = functools.partial(_compressed_in_chunks, _blockwise_compressed_chunk, False)
 flex_compressed_attention = functools.partial(_compressed_in_chunks, _compressed_chunk, True)
+
+
+@torch.no_grad()
+def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
+    """attention.block_scores ([NSA] eqs. 8-9) a chunk of queries at a time
+    (`COMPRESSED_SCORES`): the probabilities p^cmp (T x T / stride per head, quadratic by
+    definition) exist one chunk at a time, turned at once into the chunk's (chunk, J) block
+    scores by `sliding_block_scores`. The query heads of a key head share one matmul
+    (`_grouped`)."""
+    with torch.autocast(q.device.type, enabled=False):
+        B, H, T, D = q.shape
+        C = k_cmp.shape[2]
+        q, k = _float32(q, k_cmp)
+        out = []
+        for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device):
+            seen = _seen(C, q_start + t1 - 1, length, stride)
+            q_rows, k_rows, group = _grouped(q[:, :, t0:t1], k[:, :, :seen])
+            p = _compressed_probs(q_rows, k_rows, float(scale), q_start + t0, length, stride, group)
+            out.append(sliding_block_scores(p.view(B, H, t1 - t0, seen), J, length, stride, block))
+        return torch.cat(out, 2)
 
 
 def sliding_block_scores(p_cmp, J, length, stride, block):
@@ -1119,7 +1149,7 @@ def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     scores never exist at once."""
     B, T, J, _ = q_idx.shape
     S = k_idx.shape[1]
-    chunks = query_chunks(T, B * J * S, INDEX_SCORES)
+    chunks = query_chunks(T, B * J * S, INDEX_SCORES, q_idx.device)
     return torch.cat([_top_keys(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
                                 min(n, S)) for t0, t1 in chunks], dim=1)
 
@@ -1150,7 +1180,7 @@ def chunked_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     if torch.is_grad_enabled():
         run = functools.partial(torch.utils.checkpoint.checkpoint, _kl_chunk, use_reentrant=False)
     total = 0.0
-    for t0, t1 in query_chunks(T, B * max(H, J) * S, INDEX_SCORES):
+    for t0, t1 in query_chunks(T, B * max(H, J) * S, INDEX_SCORES, q.device):
         total = total + run(q[:, :, t0:t1], k, scale, q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start,
                             None if keys is None else keys[:, t0:t1])
     return total / (B * T)
@@ -1182,7 +1212,7 @@ BLOCKWISE = Ops(
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
     selected_attention=blockwise_selected_attention, compressed_attention=blockwise_compressed_attention,
-    block_scores=sliding_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
+    block_scores=chunked_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate)
 
 
@@ -1359,9 +1389,9 @@ def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k
     return _run_flex(q, k, v, gate, block_mask(T, S, q_start, k_start, None, 0, q.device), scale)
 
 
-# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 256 MB on a GPU,
+# Elements of one chunk of scores while finding the thresholds: 16 MB on CPU; 1 GB on a GPU,
 # where fewer, larger chunks also keep a compiled graph short (the loop is unrolled in it).
-TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 26)
+TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 28)
 
 
 @torch.no_grad()
@@ -1612,38 +1642,55 @@ def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     return (w.unsqueeze(-2).to(out.dtype) @ out).squeeze(-2)
 
 
-def selected_block_mask(keys, T, S, q_start, k_start):
-    """FlexAttention's BlockMask for attention.selected_attention: the mask_mod reads the
-    (B, T, S) choice built from the key lists (shared by the heads, so the mask has one head);
-    a query tile lists the key tiles any of its queries chose. Rebuilt in every call: the
-    selection depends on the data. A per-query top-k set touches most 128 x 128 tiles, so
-    this saves memory (no (T, S) scores), not tiles."""
-    B = keys.shape[0]
-    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
-    slot = torch.where(keys < 0, nk * FLEX_TILE, keys)  # -1 -> a spare column, dropped
-    chosen = torch.zeros(B, nq * FLEX_TILE, nk * FLEX_TILE + 1, dtype=torch.bool, device=keys.device)
-    chosen[:, :T].scatter_(-1, slot, True)
-    chosen = chosen[..., :-1]  # (B, nq * tile, nk * tile), padded rows and columns False
-
-    def mask_mod(b, h, i, j):
-        return (k_start + j <= q_start + i) & chosen[b, i, j]
-
-    tiles = chosen.view(B, nq, FLEX_TILE, nk, FLEX_TILE).any(4).any(2)[:, None]  # (B, 1, nq, nk)
-    kv_num = tiles.sum(-1, dtype=torch.int32)
-    kv_idx = tiles.int().argsort(dim=-1, descending=True, stable=True).int()  # listed tiles first
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
+_compiled_selected = None
 
 
 def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """attention.selected_attention: one FlexAttention call on `selected_block_mask`."""
-    T, S = q.shape[2], k.shape[2]
+    """attention.selected_attention at a cost linear in T x n: each query's n listed keys
+    are read by index, never through a mask over (T, S). Why not FlexAttention: a BlockMask
+    lists, per 128-query tile, the union of its queries' choices, and per-token top-k
+    choices touch nearly every tile (measured: 1.03x the tiles of dense causal attention at
+    T = 4096), so the work stayed quadratic. Here the scores are a product and a sum over D
+    of q with the gathered keys, and the output a sum over the n slots of the
+    probabilities times the gathered values: compiled (on CUDA, or inside a compiled
+    model), inductor turns each into one kernel with indexed loads (and the backward's
+    gradients of k and v into indexed atomic adds), so no (T, n, D) tensor exists, only
+    the (H, T, n) scores [DS32]'s own kernel keeps. The query heads of a key head read the
+    same gathered keys (the selection is per query). Eager (CPU tests, decode-sized calls)
+    it materialises the gathered keys: correct, not fast."""
+    global _compiled_selected
+    fn = _gathered_attention
+    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
+            and not torch.compiler.is_compiling():
+        if _compiled_selected is None:
+            _compiled_selected = torch.compile(_gathered_attention, dynamic=False)
+        fn = _compiled_selected
     q, k, v = _same_dtype(q, k, v)
-    return _run_flex(q, k, v, None, selected_block_mask(keys, T, S, q_start, k_start), scale)
+    return fn(q, k, v, scale, q_start, k_start, keys)
+
+
+def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
+    """flex_selected_attention's computation: q (B, H, T, D), k, v (B, Hkv, S, D), keys
+    (B, T, n) indices into the S keys (-1: empty), float32 scores and softmax."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
+    s = keys.clamp(min=0)[:, None]  # (B, 1, T, n)
+    k_sel, v_sel = k[b, h, s].float(), v[b, h, s].float()  # (B, Hkv, T, n, D): indexed loads when compiled
+    q_g = q.view(B, Hkv, H // Hkv, T, 1, D).float()
+    logits = (q_g * k_sel[:, :, None]).sum(-1) * scale  # (B, Hkv, G, T, n)
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+    ok = ((keys >= 0) & (k_start + keys <= q_pos))[:, None, None]  # (B, 1, 1, T, n): listed and visible
+    some = ok.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
+    p = torch.softmax(logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    out = (p[..., None] * v_sel[:, :, None]).sum(-2)  # (B, Hkv, G, T, D)
+    return out.view(B, H, T, D).to(v.dtype)
 
 
 FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
-    compressed_attention=flex_compressed_attention, block_scores=sliding_block_scores,
+    compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
     indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)

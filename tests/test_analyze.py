@@ -310,8 +310,10 @@ def brute_selection(model, idx, layer):
         return out
     if model.cfg.attn == "nsa":
         cfg = model.cfg
-        _, blocks = attention.compressed_attention(q, attn.compress(k, "k"), attn.compress(v, "v"), attn.scale, 0,
-                                                   cfg.nsa_cmp_block, cfg.nsa_cmp_stride, attn.select)
+        J = -(-T // cfg.nsa_block)
+        scores = attention.block_scores(q, attn.compress(k, "k"), attn.scale, 0, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
+                                        cfg.nsa_block, J)
+        blocks = attention.nsa_top_blocks(scores, 0, cfg.nsa_block, cfg.nsa_topk, cfg.n_kv_head)
     else:
         blocks = attention.moba_select(q, k, 0, model.cfg.moba_block, model.cfg.moba_topk)
     for n in range(N):

@@ -331,9 +331,48 @@ def test_selected_attention_paths_equal_the_reference(q_start):
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-4
-    with torch.no_grad():
-        flex = kernels.FLEX.selected_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, 0, keys)
+    flex = kernels.FLEX.selected_attention(q, k, v, 0.3, q_start, 0, keys)  # eager: differentiable on CPU too
     assert rel(flex, ref) < 1e-5
+    for a, b in zip(torch.autograd.grad(flex, (q, k, v), cot), ref_grads):
+        assert rel(a, b) < 1e-4
+
+
+def test_flex_selected_attention_compiled_keeps_no_gathered_keys():
+    """The GPU path's selected attention, compiled (inductor, here for the CPU; on CUDA the
+    same graph becomes Triton): equal to the reference, outputs and q, k, v gradients, and
+    neither the forward's nor the backward's generated code allocates a buffer of T x n x D
+    elements (the gathered keys or values): the gathers are indexed loads inside the
+    reductions, so the work and memory stay O(T n) per head, not O(T n D)."""
+    from torch._inductor.utils import run_and_get_code
+    import re
+
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, T, D, n, q_start = 1, 4, 2, 96, 16, 24, 8
+    S = q_start + T
+    q = torch.randn(B, H, T, D, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, generator=g, requires_grad=True)
+    scores = torch.rand(B, T, S, generator=g).masked_fill(~attention.allowed(T, S, q_start, 0, "cpu"), float("-inf"))
+    keys = attention.top_keys(scores, n)
+    cot = torch.randn(B, H, T, D, generator=g)
+    ref = attention.selected_attention(q, k, v, 0.3, q_start, 0, keys)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
+    torch._dynamo.reset()
+    fn = torch.compile(kernels._gathered_attention, dynamic=False)
+
+    def forward_backward():
+        out = fn(q, k, v, 0.3, q_start, 0, keys)
+        return out, torch.autograd.grad(out, (q, k, v), cot)
+
+    (out, grads), codes = run_and_get_code(forward_backward)
+    assert rel(out, ref) < 1e-5
+    for a, b in zip(grads, ref_grads):
+        assert rel(a, b) < 1e-4
+    sizes = [math.prod(int(d) for d in shape.split(",") if d.strip())
+             for code in codes for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+    assert len(codes) >= 2 and sizes, "forward and backward code read"
+    assert max(sizes) < T * n * D, (max(sizes), T * n * D)
+    assert max(sizes) >= H * T * n, "the (H, T, n) scores are the largest buffer"
 
 
 def test_fused_and_flex_equal_the_reference():

@@ -178,26 +178,30 @@ def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
 @pytest.mark.parametrize("ops", ["BLOCKWISE", "FLEX"])
 @pytest.mark.parametrize("q_start", [0, 9])
 def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q_start):
-    """The op alone, a few queries at a time (FLEX's dense chunks checkpointed, BLOCKWISE's
-    `CompressedAttention`), after earlier queries too: output, what `select` chose on each
-    chunk's probabilities, and the gradients of q and the compressed keys and values, equal
-    to attention.compressed_attention's over all queries at once."""
+    """The ops alone, a few queries at a time (FLEX's dense chunks checkpointed, BLOCKWISE's
+    `CompressedAttention`), after earlier queries too: the compressed branch's output and
+    the gradients of q and the compressed keys and values, and the block scores computed
+    from the same probabilities chunk by chunk, equal to attention.compressed_attention's
+    and attention.block_scores' over all queries at once."""
     monkeypatch.setattr(kernels, "COMPRESSED_SCORES", 2 * 4 * 12 * 5)  # 5 queries a chunk
     g = torch.Generator().manual_seed(6)
-    T, C, length, stride = 23, 12, 4, 2
+    T, C, length, stride, block = 23, 12, 4, 2, 8
+    J = -(-(q_start + T) // block)
     q = torch.randn(2, 4, T, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 2, C, 8, generator=g, requires_grad=True) for _ in range(2))
     cot = torch.randn(2, 4, T, 8, generator=g)
 
-    def select(p, start):  # a "choice" that depends on every probability of a query, and on its position
-        return (p * torch.arange(1, p.shape[-1] + 1)).sum(-1, keepdim=True) + (start + torch.arange(p.shape[2]))[:, None]
-
-    ref, ref_chosen = attention.compressed_attention(q, k, v, 0.3, q_start, length, stride, select)
+    ref = attention.compressed_attention(q, k, v, 0.3, q_start, length, stride)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
-    out, chosen = getattr(kernels, ops).compressed_attention(q, k, v, 0.3, q_start, length, stride, select)
-    assert rel(out, ref) < 1e-5 and rel(chosen, ref_chosen) < 1e-5
+    fast = getattr(kernels, ops)
+    out = fast.compressed_attention(q, k, v, 0.3, q_start, length, stride)
+    assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-5
+    scores = fast.block_scores(q, k, 0.3, q_start, length, stride, block, J)
+    ref_scores = attention.block_scores(q, k, 0.3, q_start, length, stride, block, J)
+    assert scores.shape == ref_scores.shape == (2, 4, T, J) and not scores.requires_grad
+    assert rel(scores, ref_scores) < 1e-5
 
 
 # ---------------------------------------------------------------------------- reductions, causality
@@ -298,7 +302,7 @@ def test_no_gradient_through_the_selection(attn):
                                                      (32, 16, 64, 40, 11), (8, 8, 8, 9, 9), (8, 4, 16, 0, 2)])
 def test_nsa_block_scores_equal_the_overlap_matrix(length, stride, block, C, J):
     """kernels.sliding_block_scores (the fast paths') equals eq. 9's overlap matrix product
-    p @ block_overlap (attention.block_scores), with fewer compressed keys than the blocks
+    p @ block_overlap (attention.block_scores' last step), with fewer compressed keys than the blocks
     cover and more (the chunks cut C causally)."""
     p = torch.rand(2, 3, 5, C, dtype=torch.float64)
     expected = p @ attention.block_overlap(C, J, length, stride, block, "cpu").double()
