@@ -1047,8 +1047,8 @@ def _softmax_or_zero(logits, mask):
 
 
 def _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention for one chunk of queries, as written there (FLEX's
-    chunks, checkpointed: in the autocast dtype on a GPU)."""
+    """attention.compressed_attention for a few queries, as written there (FLEX's decode-sized
+    calls, in the autocast dtype on a GPU)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
@@ -1063,27 +1063,20 @@ def _seen(C, last, length, stride):
     return min(C, max(0, (last - length + 1) // stride + 1))
 
 
-def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride):
+def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
     """attention.compressed_attention a chunk of queries at a time (`COMPRESSED_SCORES`):
     C ~ T / stride compressed keys per query would otherwise keep (T, C) per head, memory
     quadratic in T. A chunk takes only the compressed keys its last query can see, which
-    halves the branch's work over a sequence. checkpoint: recompute each chunk in the
-    backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
+    halves the branch's work over a sequence; `CompressedAttention` recomputes each chunk's
+    probabilities in the backward. (FLEX: `flex_compressed_attention`, one FlexAttention call.)"""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
-    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device)
-    run = chunk
-    if checkpoint and len(chunks) > 1 and torch.is_grad_enabled():
-        run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
     outs = []
-    for t0, t1 in chunks:
+    for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device):
         seen = _seen(C, q_start + t1 - 1, length, stride)
-        outs.append(run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride))
+        outs.append(_blockwise_compressed_chunk(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale,
+                                                q_start + t0, length, stride))
     return torch.cat(outs, 2)
-
-
-blockwise_compressed_attention = functools.partial(_compressed_in_chunks, _blockwise_compressed_chunk, False)
-flex_compressed_attention = functools.partial(_compressed_in_chunks, _compressed_chunk, True)
 
 
 @torch.no_grad()
@@ -1465,6 +1458,37 @@ def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
     values = torch.cat([expand_kv(v, H), vbar], dim=2)  # (B, H, S + R, D)
     mask = combiner_block_mask(T, S, R, q_start, k_start, block, q.device)
     return _run_flex(q, keys, values, None, mask, scale)
+
+
+def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """attention.compressed_attention ([NSA] eqs. 7-8): one FlexAttention call over the C ~
+    T / stride compressed keys, compressed key i visible to the query at position p once
+    i stride + length - 1 <= p; a row that sees none gets 0, as in the reference. Its
+    BlockMask (built once per shape, cached) lists, per 128-query tile, the 128-key tiles
+    up to that boundary: the keys read (T C / 2 for a sequence) plus one band of boundary
+    tiles (the boundary moves 128 / stride keys per query tile), and the backward is
+    FlexAttention's, never a (T, C) tensor. Decode-sized calls take the dense chunk."""
+    B, H, T, _ = q.shape
+    C = k_cmp.shape[2]
+    if C == 0:  # fewer keys than one compressed key covers: no query sees any
+        return q.new_zeros(B, H, T, v_cmp.shape[-1])
+    q, k_cmp, v_cmp = _same_dtype(q, k_cmp, v_cmp)
+    if T <= DECODE_ROWS:
+        return _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride)
+
+    def complete(b, h, i, j):
+        return j * stride + length - 1 <= q_start + i
+
+    key = ("compressed", T, C, q_start, length, stride, str(q.device))
+    if torch.compiler.is_compiling():
+        mask = create_block_mask(complete, None, None, T, C, device=q.device)
+    else:
+        if key not in _block_masks:
+            if len(_block_masks) >= MAX_CACHED_MASKS:
+                _block_masks.clear()
+            _block_masks[key] = create_block_mask(complete, None, None, T, C, device=q.device)
+        mask = _block_masks[key]
+    return _run_flex(q, k_cmp, v_cmp, None, mask, scale)
 
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger

@@ -197,3 +197,37 @@ def test_combiner_work_follows_the_keys_read():
     t = torch.arange(T)
     read = B * H * (t % s + 1 + t // s).sum().item()
     assert work <= 2.5 * read + B * H * T * 128
+
+
+# ---------------------------------------------------------------------------- nsa's compressed branch
+
+def test_compressed_attention_decode_sized_and_empty():
+    """FLEX's compressed branch for a few queries (the dense chunk, no FlexAttention call) and
+    with no compressed key yet (C = 0): equal to the reference, outputs and gradients."""
+    g = torch.Generator().manual_seed(4)
+    for T, q_start, C in [(3, 40, 19), (16, 0, 3), (5, 0, 0)]:
+        q = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64).requires_grad_()
+        k, v = (torch.randn(1, 2, C, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+        ref = attention.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
+        saved, kernels._run_flex = kernels._run_flex, None  # any FlexAttention call fails
+        try:
+            out = kernels.FLEX.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
+        finally:
+            kernels._run_flex = saved
+        assert out.shape == ref.shape and rel(out, ref) < 1e-6
+        if C:
+            for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+                assert rel(a, b) < 1e-6
+
+
+def test_compressed_attention_work_is_the_keys_read():
+    """nsa's sizes (l = 16, d = 8), T = 4096: one FlexAttention call whose tiles x area is at
+    most the compressed keys the queries see plus one band of 128-key tiles; the chunked
+    dense form it replaced read the same keys but kept each chunk's (rows, C) scores."""
+    B, H, T = 1, 2, 4096
+    C = (T - 16) // 8 + 1
+    q, k = torch.zeros(B, H, T, 16), torch.zeros(B, H, C, 16)
+    work = work_of(kernels.FLEX.compressed_attention, q, k, k, 0.25, 0, 16, 8)
+    t = torch.arange(T)
+    read = B * H * ((t - 15) // 8 + 1).clamp(min=0).sum().item()
+    assert work <= read + B * H * T * 128
