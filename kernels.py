@@ -13,7 +13,7 @@
   mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
 
 (attention.py documents what each computes; its variants call them through attention.ops,
-the one place that picks a set.) Two sets; the last five are the same in both: a chunk of
+the one place that picks a set.) Two sets; the last four are the same in both: a chunk of
 queries at a time, so memory stays linear in T, and `sliding_block_scores` for eq. 9's
 product (see "both sets" below).
 
@@ -66,8 +66,7 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see; the backward recomputes the probabilities (FLEX: the dense chunk,
-  checkpointed). Its block scores (`chunked_block_scores`, both sets) recompute the same
+  keys it can see; the backward recomputes the probabilities (FLEX: one FlexAttention call). Its block scores (`chunked_block_scores`, both sets) recompute the same
   probabilities a chunk at a time without gradient and keep only (T, J).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
@@ -75,10 +74,23 @@ here and the loops write into float32 buffers):
 FLEX's selected attention (`flex_selected_attention`): the listed keys read by index, in a
 compiled function whose gathers inductor folds into the two reductions (scores, output):
 O(T n) work, no (T, n, D) tensor; not FlexAttention, whose tiles cannot follow per-token choices.
-FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
-blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
-128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
-the data, so it is never cached by shape.
+FLEX's block attention (nsa's selected branch, moba): [MoBA]'s efficient form in one
+FlexAttention call (`selection_rows`, `flex_block_attention`). Every (query, key tile it
+reads) pair is one row of a virtual query sequence sorted by tile (one sort, a few scatters,
+no loop over blocks), each tile's rows starting at a query-tile boundary, so a query tile
+lists only the key tiles of its one group; FlexAttention returns each row's output and
+log-sum-exp, and a query's rows are merged by their log-sum-exp. Rebuilt in every call (the
+selection depends on the data), in a static number of rows (one compile per shape). Work
+(tiles x area / keys the definition reads, qwen-134m sizes, random choices, T = 4096 and
+16384, one diagonal band of 128-key tiles included): moba 2.4x / 2.5x, nsa 3.4x / 3.9x with
+a backward (tiles 128 x 128: sm_90's bf16 backward has no kernel for a smaller key tile),
+1.4x and 1.3x without one (key tile = the block); the BlockMask it replaced, the union of a
+128-query tile's blocks, listed 9.7x / 36x (moba) and 9.0x / 34x (nsa). Decode-sized calls
+gather their blocks (`gathered_block_attention`).
+FLEX's compressed branch (nsa): one FlexAttention call over the C compressed keys, its
+BlockMask cached per shape (the keys read plus a band of boundary tiles: 1.26x at T = 4096,
+1.06x at 16384). Combiner's BlockMask leaves 2.3x / 2.0x the keys its definition reads (own
+block up to the query, one summary per earlier block), 1.35x / 1.19x without the band.
 
 Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
@@ -1520,11 +1532,14 @@ FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be s
 # The work each BlockMask leaves (tiles listed x tile area, against the keys the definition
 # reads, about n x block per query): rows x key tile, rows = T x (the key tiles a query's n
 # blocks fall in) plus each group's last partial tile of rows (< 128 rows a group, at most
-# S / span groups). With a backward: moba (block 64, n 4) about 2 x the keys read, nsa
-# (block 32, n 8) about 3.5 x for random choices (each of 8 blocks in its own tile, a row
-# reading 32 of a tile's 128 keys; less where its choices neighbour each other); without one,
-# about 1.1 x for both (`benchmarks`' numbers are in the module docstring). Either way the
-# work per query no longer grows with T.
+# S / span groups). Measured at qwen-134m sizes with random choices (no locality, the worst
+# case for sharing a tile), T = 4096 / 16384, without the diagonal band: with a backward,
+# moba (block 64, n 4) 1.8x / 2.0x the keys read, nsa (block 32, n 8) 2.9x / 3.3x (most of
+# its 8 blocks in tiles of their own, a row reading 32 of a tile's 128 keys; less where its
+# choices neighbour each other); without one, 0.8x for both (the band holds the rest). Either
+# way the work per query no longer grows with T; the union BlockMask this replaces grew as T.
+# nsa's 2.5x would need key tiles of 64 (sm_80's backward table allows them, sm_90's not) or
+# a kernel choice outside the table (max_autotune lists 32 x 32 backward tiles).
 SELECTION_Q_TILE = 128  # rows per query tile: sm_90's bf16 backward needs a multiple of 128 (BLOCK_M2)
 SELECTION_KV_TILE = 128  # key tile when a backward is needed (sm_90's BLOCK_N1); see above
 SELECTION_BITS = 16  # blocks one row may hold (a bit mask read by the mask_mod)
