@@ -1249,8 +1249,9 @@ def _run_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=N
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     options = kernel_options or getattr(score_mod, "kernel_options", None)
+    aux = dict(return_aux=AuxRequest(lse=True)) if lse else {}
     out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-             kernel_options=options, return_aux=AuxRequest(lse=True) if lse else None)
+             kernel_options=options, **aux)
     return (out[0], out[1].lse) if lse else out
 
 
