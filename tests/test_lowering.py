@@ -134,21 +134,23 @@ def flex_calls(attn, flags_items):
     backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm), bw_compiler=capture_backward,
                            partition_fn=partition_fn, decompositions=select_decomp_table())
 
-    def traced_flex(q, k, v, score_mod, block_mask, scale):
+    def traced_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=None):
         def call(q, k, v):
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                  enable_gqa=q.shape[1] != k.shape[1])
+            out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                 enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options,
+                                 return_aux=nn_flex.AuxRequest(lse=True) if lse else None)
+            return (out[0], out[1].lse) if lse else out
         torch._dynamo.reset()
         qc, kc, vc = (t.detach().requires_grad_(True) for t in (q, k, v))
         out = torch.compile(call, backend=backend, fullgraph=True)(qc, kc, vc)
-        try:
-            out.sum().backward()  # hands the backward graph to capture_backward, which stops it
+        try:  # the lse's gradient (a merge by log-sum-exp) enters the backward kernel too
+            sum(o.sum() for o in (out if lse else (out,))).backward()  # capture_backward stops it
         except _Stop:
             pass
         except Exception as e:
             if not any(isinstance(x, _Stop) for x in (e, e.__cause__, e.__context__)):
                 raise
-        return out.detach()
+        return (out[0].detach(), out[1].detach()) if lse else out.detach()
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, cfg.n_head, T, cfg.head_dim, generator=g)

@@ -17,6 +17,7 @@ import torch
 import attention
 import kernels
 from model import PRESETS, Model, ModelConfig
+from test_flex_selection import dense_flex
 
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 # Small sizes: T = 45 spans 11 selection blocks of 4 (nsa) and 5 blocks of 8 (moba).
@@ -178,8 +179,9 @@ def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
 @pytest.mark.parametrize("ops", ["BLOCKWISE", "FLEX"])
 @pytest.mark.parametrize("q_start", [0, 9])
 def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q_start):
-    """The ops alone, a few queries at a time (FLEX's dense chunks checkpointed, BLOCKWISE's
-    `CompressedAttention`), after earlier queries too: the compressed branch's output and
+    """The ops alone (BLOCKWISE's `CompressedAttention` a few queries at a time; FLEX's one
+    FlexAttention call, its gradients through `dense_flex`, its output through eager
+    FlexAttention too), after earlier queries too: the compressed branch's output and
     the gradients of q and the compressed keys and values, and the block scores computed
     from the same probabilities chunk by chunk, equal to attention.compressed_attention's
     and attention.block_scores' over all queries at once."""
@@ -194,6 +196,10 @@ def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q
     ref = attention.compressed_attention(q, k, v, 0.3, q_start, length, stride)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
     fast = getattr(kernels, ops)
+    if ops == "FLEX":  # eager FlexAttention (no CPU backward for q, k, v), then the dense stand-in
+        eager = fast.compressed_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, length, stride)
+        assert rel(eager, ref) < 1e-5
+        monkeypatch.setattr(kernels, "_run_flex", dense_flex)
     out = fast.compressed_attention(q, k, v, 0.3, q_start, length, stride)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
@@ -392,9 +398,10 @@ def test_block_attention_with_no_visible_key_gives_zero():
 
 @pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp")),
                                         ("nsa", dict(nsa_branches="cmp,win")), ("moba", {})])
-def test_fused_and_flex_equal_the_reference(attn, flags):
-    """Whole variant, T = 45 and 130: fused outputs and gradients of q, k, v, x and every
-    parameter; flex outputs and the gradients of x and the parameters."""
+def test_fused_and_flex_equal_the_reference(monkeypatch, attn, flags):
+    """Whole variant, T = 45 and 130: fused and flex outputs and gradients of q, k, v, x and
+    every parameter; flex's output through eager FlexAttention (no CPU backward for q, k,
+    v), its gradients through `dense_flex` in its place."""
     module = make(attn, **flags)
     for T in (45, 130):
         q, k, v, x = (t.requires_grad_() for t in inputs(module, T, B=2))
@@ -402,16 +409,16 @@ def test_fused_and_flex_equal_the_reference(attn, flags):
         cot = torch.randn(2, 4, T, 8)
         ref = run(module, "ref", q, k, v, x)
         ref_grads = torch.autograd.grad(ref, list(named.values()), cot, allow_unused=True)
+        with torch.no_grad():
+            assert rel(run(module, "flex", q.detach(), k.detach(), v.detach(), x), ref) < 1e-5, ("eager flex", T)
         for kernel in ("fused", "flex"):
-            qkv = (q, k, v) if kernel == "fused" else (q.detach(), k.detach(), v.detach())
-            out = run(module, kernel, *qkv, x)
-            assert rel(out, ref) < 1e-5, (kernel, T)
-            if not out.requires_grad:  # moba on flex: no parameters, nothing to differentiate
-                continue
-            grads = torch.autograd.grad(out, list(named.values()), cot, allow_unused=True)
+            with monkeypatch.context() as m:
+                if kernel == "flex":
+                    m.setattr(kernels, "_run_flex", dense_flex)
+                out = run(module, kernel, q, k, v, x)
+                assert rel(out, ref) < 1e-5, (kernel, T)
+                grads = torch.autograd.grad(out, list(named.values()), cot, allow_unused=True)
             for name, a, b in zip(named, grads, ref_grads):
-                if kernel == "flex" and name in "qkv":
-                    continue
                 if b is None or b.abs().max() == 0:
                     assert a is None or a.abs().max() < 1e-6, (kernel, name)
                 elif name == "compress_mlp.k.2.bias":  # shifts every compressed key of a query's
