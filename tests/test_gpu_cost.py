@@ -74,15 +74,19 @@ def test_no_T_by_T_tensor_outside_the_kernels(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_ops_outside_the_kernels_do_not_grow_with_T(name):
     short, long = measured(name, SHORT), measured(name, LONG)
+    grown = []
     for phase in ("fwd", "bwd"):
         key = f"ops_{phase}_other"
-        assert long[key] == short[key], (f"{name} {phase}: {short[key]} ops at T = {SHORT}, {long[key]} at "
-                                         f"T = {LONG}, outside the kernels and the T^2 parts")
+        if long[key] != short[key]:
+            grown.append(f"{phase}: {short[key]} ops at T = {SHORT}, {long[key]} at T = {LONG}, outside the kernels "
+                         f"and the T^2 parts")
         for part, ops in long[f"ops_{phase}_parts"].items():
             before = short[f"ops_{phase}_parts"].get(part, 0)
             allowed = before * pieces(part, long) / pieces(part, short)
-            assert ops <= allowed, (f"{name} {phase}: {part} dispatches {ops} ops at T = {LONG} against {before} at "
-                                    f"T = {SHORT}; GPU pieces of {piece(part):,} elements allow {allowed:.0f}")
+            if ops > allowed:
+                grown.append(f"{phase}: {part} dispatches {ops} ops at T = {LONG} against {before} at T = {SHORT}; "
+                             f"GPU pieces of {piece(part):,} elements allow {allowed:.0f}")
+    assert not grown, f"{name}: " + "; ".join(grown)
 
 
 @pytest.mark.parametrize("T", [4096, 16384])
