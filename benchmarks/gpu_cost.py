@@ -10,7 +10,7 @@ qwen-134m's attention shapes (12 heads of 64, d_model 768), B = 1, float32, kern
 (kernels.FLEX, the GPU path) on the CPU, each variant at its own default sizes (attention.py
 gives them "for T = 1024"; they are not rescaled with T). Per configuration and T:
 
-- work: the score elements the attention kernels are given, per query (and per head):
+- work: the score elements the attention kernels (`intercept`) are given, per query (and per head):
   each FlexAttention call's BlockMask lists tiles (kv_num_blocks + full_kv_num_blocks), and
   a tile is BLOCK_SIZE[0] x BLOCK_SIZE[1] scores, whatever the mask_mod then drops inside it;
   an SDPA call (kernels.causal_attention, flash on a GPU) counts what FlexAttention would
@@ -35,8 +35,9 @@ gives them "for T = 1024"; they are not rescaled with T). Per configuration and 
   ranking of every key, the indexer's scores and its loss, nsa's compressed scores), which
   must be split into pieces sized for a GPU.
 
-Each FlexAttention call (`kernels._run_flex`) and SDPA call (`kernels.causal_attention`) is
-intercepted: its BlockMask read, and a stand-in of the same output shape returned (zeros,
+Each FlexAttention call (`kernels._run_flex`), SDPA call (`kernels.causal_attention`) and, where
+kernels has one, gathered selected attention (`kernels._gathered_attention`, compiled into one
+kernel on a GPU; its work: the n listed keys of each query) is intercepted: its BlockMask read, and a stand-in of the same output shape returned (zeros,
 an autograd function whose backward returns zero gradients for q, k, v and the captured
 tensors that need them), so the backward of everything around it still runs. FlexAttention
 on a CPU has no backward for q, k, v, and run eagerly at T = 16384 it would materialise the
@@ -319,8 +320,19 @@ def intercept(rec):
             outputs.append(out)
         return out
 
+    def gathered(q, k, v, scale, q_start, k_start, keys, *args, **kwargs):
+        """The indexer's selected attention by index (one compiled kernel on a GPU): n keys a query."""
+        with rec.region(KERNELS) as outputs:
+            T, S = q.shape[2], k.shape[2]
+            rec.calls.append(dict(kind="gather", T=T, S=S, work=T * keys.shape[-1], tile=0))
+            out = stand_in(q.shape, v.dtype, [q, k, v])
+            outputs.append(out)
+        return out
+
     patch("_run_flex", run_flex)
     patch("causal_attention", causal)
+    if hasattr(kernels, "_gathered_attention"):
+        patch("_gathered_attention", gathered)
     patch("create_block_mask", rec.wrap(CACHED, kernels.create_block_mask))
     fields = {}
     for label, (where, _, _) in T2_PARTS.items():
