@@ -193,7 +193,8 @@ def profile_rows(shape, device, dtype, deadline, result, save):
         for name, flags in PROFILE_CONFIGS:
             row = dict(config=name, T=T, B=shape["attn_batch"], sdpa_ms=sdpa_ms)
             before = next((r for r in rows if r["config"] == name and "ms" in r), None)
-            need = 30.0 if before is None else 2 * (before["compile_s"] + runs * before["ms"] / 1e3 * (T / before["T"]) ** 2)
+            need = 30.0 if before is None else \
+                2 * (before["compile_s"] + runs * before["ms"] / 1e3 * (T / before["T"]) ** 2)
             left = deadline - time.time()
             if left < need:
                 row["skipped"] = shown = f"skipped: {left:.0f} s left of the budget, needs ~{need:.0f} s"

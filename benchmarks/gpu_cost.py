@@ -37,7 +37,8 @@ gives them "for T = 1024"; they are not rescaled with T). Per configuration and 
 
 Each FlexAttention call (`kernels._run_flex`), SDPA call (`kernels.causal_attention`) and, where
 kernels has one, gathered selected attention (`kernels._gathered_attention`, compiled into one
-kernel on a GPU; its work: the n listed keys of each query) is intercepted: its BlockMask read, and a stand-in of the same output shape returned (zeros,
+kernel on a GPU; its work: the n listed keys of each query) is intercepted: its BlockMask
+read, and a stand-in of the same output shape returned (zeros,
 an autograd function whose backward returns zero gradients for q, k, v and the captured
 tensors that need them), so the backward of everything around it still runs. FlexAttention
 on a CPU has no backward for q, k, v, and run eagerly at T = 16384 it would materialise the
@@ -425,7 +426,8 @@ HEADER = ["config", "T", "work x dense", "work x keys", "calls", "ops fwd", "ops
 
 
 def markdown(rows, note=""):
-    lines = [f"### gpu_cost: one {SHAPE} attention layer (B = 1, float32, kernel=flex on CPU), torch {torch.__version__}"]
+    lines = [f"### gpu_cost: one {SHAPE} attention layer (B = 1, float32, kernel=flex on CPU), "
+             f"torch {torch.__version__}"]
     if note:
         lines.append(note)
     lines += ["", "| " + " | ".join(HEADER) + " |", "|---" * len(HEADER) + "|"]
