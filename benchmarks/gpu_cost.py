@@ -160,21 +160,25 @@ class Recorder:
         self.bwd_label = OTHER
         self.node_label = {}  # autograd node -> the label of the region that created it
         self.counting = True
+        self.square_dim = None  # T: a tensor with two dims of at least this is (T, S)-shaped
 
     def label(self):
         return self.labels[-1] if self.phase == "fwd" else self.bwd_label
 
-    def add(self, op, n_bytes, largest):
-        s = self.stats.setdefault((self.phase, self.label()), dict(ops=0, bytes=0, largest=0, largest_op=None))
+    def add(self, op, n_bytes, largest, square=0):
+        s = self.stats.setdefault((self.phase, self.label()), dict(ops=0, bytes=0, largest=0, largest_op=None,
+                                                                   square=0, square_op=None))
         s["ops"] += 1
         s["bytes"] += n_bytes
         if largest > s["largest"]:
             s["largest"], s["largest_op"] = largest, op
+        if square > s["square"]:
+            s["square"], s["square_op"] = square, op
 
     def total(self, phase, what, labels=None):
         rows = [s for (p, label), s in self.stats.items() if p == phase and label not in (KERNELS, CACHED)
                 and (labels is None or label in labels)]
-        return max((s[what] for s in rows), default=0) if what == "largest" else sum(s[what] for s in rows)
+        return max((s[what] for s in rows), default=0) if what in ("largest", "square") else sum(s[what] for s in rows)
 
     def sequence_nr(self):
         """The number the next autograd node will get."""
@@ -242,7 +246,7 @@ class Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.rec.counting:
             old = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs)) if t.layout == torch.strided}
-            new, largest = {}, 0
+            new, largest, square = {}, 0, 0
             for t in tensors(out):
                 if t.layout != torch.strided:
                     continue
@@ -250,7 +254,9 @@ class Counter(TorchDispatchMode):
                 if storage.data_ptr() not in old and storage.nbytes() > 0:
                     new[storage.data_ptr()] = storage.nbytes()
                     largest = max(largest, t.numel())
-            self.rec.add(str(func), sum(new.values()), largest)
+                    if self.rec.square_dim and sum(d >= self.rec.square_dim for d in t.shape) >= 2:
+                        square = max(square, t.numel())  # (.., T, .., S, ..): a score-shaped tensor
+            self.rec.add(str(func), sum(new.values()), largest, square)
         return out
 
 
@@ -305,8 +311,8 @@ def intercept(rec):
             rec.calls.append(dict(kind="flex", T=T, S=S, work=work, tile=tile))
             inputs = [q, k, v] + captured(score_mod) + (captured(block_mask.mask_mod) if block_mask is not None else [])
             out = stand_in((*q.shape[:3], v.shape[-1]), q.dtype, inputs)
-            if kwargs.get("return_lse"):
-                out = (out, torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device))
+            if kwargs.get("lse") or kwargs.get("return_lse"):  # kernels._run_flex(..., lse=True): (out, lse)
+                out = (out, out.float().sum(-1) * 0)  # a log-sum-exp that carries a gradient, as FlexAttention's does
             elif kwargs.get("return_aux") is not None:
                 from torch.nn.attention.flex_attention import AuxOutput
                 out = (out, AuxOutput(lse=torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)))
@@ -372,6 +378,7 @@ def measure(name, flags, T, B=1, backward=True, count=True):
     x = torch.randn(B, T, cfg.d_model)
     cos, sin = attention.rope_cos_sin(torch.arange(T), cfg.head_dim, cfg.rope_theta)
     rec = Recorder()
+    rec.square_dim = T
     t0 = time.perf_counter()
     with intercept(rec):
         if not count:
@@ -406,6 +413,7 @@ def measure(name, flags, T, B=1, backward=True, count=True):
             row[f"ops_{phase}_parts"] = {p: rec.total(phase, "ops", {p}) for p in parts
                                          if (phase, p) in rec.stats}
         row["largest_other"] = max(rec.total(p, "largest", others) for p in ("fwd", "bwd"))
+        row["square_other"] = max(rec.total(p, "square", others) for p in ("fwd", "bwd"))
         row["largest_parts"] = {p: max(rec.total(ph, "largest", {p}) for ph in ("fwd", "bwd")) for p in parts
                                 if ("fwd", p) in rec.stats or ("bwd", p) in rec.stats}
     return row
