@@ -1736,9 +1736,57 @@ def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
     return out.view(B, H, T, D).to(v.dtype)
 
 
+_compiled_listed_kl = None
+
+
+def flex_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """attention.indexer_kl on the GPU path. The dense warm-up (keys None) fits L^I over every
+    visible key: T^2 by definition, in GPU-sized chunks (`chunked_indexer_kl`). The sparse
+    stage fits it over the n listed keys only, so it reads them by index as
+    `flex_selected_attention` does (`_listed_kl`: the main attention's logits and the
+    indexer's scores of the listed keys, compiled into indexed loads): O(T n) instead of the
+    chunked (T, S) logits masked down to n keys, which made the indexer's training step
+    quadratic in T (measured on a CPU at T = 16384: 124 GiB allocated per layer forward)."""
+    global _compiled_listed_kl
+    if keys is None:
+        return chunked_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
+    fn = _listed_kl
+    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
+            and not torch.compiler.is_compiling():
+        if _compiled_listed_kl is None:
+            _compiled_listed_kl = torch.compile(_listed_kl, dynamic=False)
+        fn = _compiled_listed_kl
+    return fn(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
+
+
+def _listed_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """L^I over the listed keys: sum over queries of KL(p_t || softmax(I[t, keys])) / (B T),
+    p_t the main attention's probabilities over the same keys (no gradient), summed over
+    heads and L1-normalised; I with gradient into the indexer's q_idx, k_idx and w."""
+    B, H, T, D = q.shape
+    Hkv, d = k.shape[1], q_idx.shape[-1]
+    s = keys.clamp(min=0)  # (B, T, n)
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+    ok = (keys >= 0) & (k_start + keys <= q_pos)  # (B, T, n): listed and visible
+    some = ok.any(-1, keepdim=True)
+    with torch.no_grad():
+        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+        h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
+        k_sel = k.detach()[b, h, s[:, None]].float()  # (B, Hkv, T, n, D): indexed loads when compiled
+        logits = (q.detach().view(B, Hkv, H // Hkv, T, 1, D).float() * k_sel[:, :, None]).sum(-1) * scale
+        logits = logits.flatten(1, 2).masked_fill(~ok[:, None], NEG_INF).masked_fill(~some[:, None], 0.0)
+        p = (torch.softmax(logits, -1) * some[:, None]).mean(1)  # (B, T, n)
+    k_listed = k_idx[torch.arange(B, device=q.device).view(B, 1, 1), s].float()  # (B, T, n, d)
+    dots = (q_idx.float()[:, :, :, None, :] * k_listed[:, :, None]).sum(-1) / math.sqrt(d)  # (B, T, J, n)
+    scores = (F.relu(dots) * w.float()[..., None]).sum(2)  # (B, T, n): [DS32] eq. 1 at the listed keys
+    log_i = torch.log_softmax(scores.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), dim=-1)
+    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
+    return kl.sum() / (B * T)
+
+
 FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
     compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
-    indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)
+    indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)

@@ -250,11 +250,48 @@ def test_kl_in_chunks_equals_the_reference(dense, monkeypatch):
     q_idx, k_idx, w = (t.detach().requires_grad_() for t in module.indexer(x, 0))
     q_start = 11  # the last 19 positions' queries
     keys = None if dense else attention.indexer_topk(q_idx[:, q_start:], k_idx, w[:, q_start:], q_start, 0, 4)
+    fns = (attention.indexer_kl, kernels.chunked_indexer_kl, kernels.FLEX.indexer_kl)
     losses = [fn(q[:, :, q_start:], k, module.scale, q_idx[:, q_start:], k_idx, w[:, q_start:], q_start, 0, keys)
-              for fn in (attention.indexer_kl, kernels.chunked_indexer_kl)]
-    assert abs(losses[1].item() - losses[0].item()) < 1e-6 * losses[0].item()
-    for a, b in zip(*(torch.autograd.grad(loss, (q_idx, k_idx, w)) for loss in losses)):
-        assert rel(a, b) < 1e-5
+              for fn in fns]
+    grads = [torch.autograd.grad(loss, (q_idx, k_idx, w)) for loss in losses]
+    for fn, loss, grad in zip(fns[1:], losses[1:], grads[1:]):
+        assert abs(loss.item() - losses[0].item()) < 1e-6 * losses[0].item(), fn.__name__
+        for a, b in zip(grad, grads[0]):
+            assert rel(a, b) < 1e-5, fn.__name__
+
+
+def test_flex_sparse_kl_reads_only_the_listed_keys():
+    """The GPU path's sparse-stage L^I (kernels._listed_kl), compiled by inductor: the loss
+    and its gradients into the indexer's queries, keys and weights equal the reference's, and
+    the generated forward and backward code allocate nothing of T x S elements (the chunked
+    form's masked (T, S) logits) nor of T x n x d (gathered indexer keys)."""
+    from torch._inductor.utils import run_and_get_code
+    import re
+
+    module = make(index_topk=24, index_heads=2, index_head_dim=16)
+    T, q_start = 96, 8
+    q, k, v, x = inputs(module, T + q_start, B=1)
+    q_idx, k_idx, w = (t.detach().requires_grad_() for t in module.indexer(x, 0))
+    q, q_idx, w = q[:, :, q_start:], q_idx[:, q_start:], w[:, q_start:]
+    keys = attention.indexer_topk(q_idx, k_idx, w, q_start, 0, 24)
+    S, n, d = k.shape[2], keys.shape[-1], q_idx.shape[-1]
+    ref = attention.indexer_kl(q, k, module.scale, q_idx, k_idx, w, q_start, 0, keys)
+    ref_grads = torch.autograd.grad(ref, (q_idx, k_idx, w))
+    torch._dynamo.reset()
+    fn = torch.compile(kernels._listed_kl, dynamic=False)
+
+    def forward_backward():
+        loss = fn(q, k, module.scale, q_idx, k_idx, w, q_start, 0, keys)
+        return loss, torch.autograd.grad(loss, (q_idx, k_idx, w))
+
+    (loss, grads), codes = run_and_get_code(forward_backward)
+    assert abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    for a, b in zip(grads, ref_grads):
+        assert rel(a, b) < 1e-4
+    sizes = [math.prod(int(e) for e in shape.split(",") if e.strip())
+             for code in codes for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+    assert len(codes) >= 2 and sizes
+    assert max(sizes) < min(T * S, T * n * d), (max(sizes), T * S, T * n * d)
 
 
 @pytest.mark.parametrize("dense", [True, False])
