@@ -37,7 +37,8 @@ gives them "for T = 1024"; they are not rescaled with T). Per configuration and 
 
 Each FlexAttention call (`kernels._run_flex`), SDPA call (`kernels.causal_attention`) and, where
 kernels has one, gathered selected attention (`kernels._gathered_attention`, compiled into one
-kernel on a GPU; its work: the n listed keys of each query) is intercepted: its BlockMask
+kernel on a GPU; its work: the n listed keys of each query) and the indexer's sparse-stage loss
+over its listed keys (`kernels._listed_kl`, likewise compiled) is intercepted: its BlockMask
 read, and a stand-in of the same output shape returned (zeros,
 an autograd function whose backward returns zero gradients for q, k, v and the captured
 tensors that need them), so the backward of everything around it still runs. FlexAttention
@@ -336,10 +337,21 @@ def intercept(rec):
             outputs.append(out)
         return out
 
+    def listed_kl(q, k, scale, q_idx, k_idx, w, *args, **kwargs):
+        """The indexer's sparse-stage KL over its listed keys by index (one compiled kernel
+        on a GPU, like the gathered attention; eager it would gather T x n x D): a zero loss
+        with zero gradients for the indexer's tensors."""
+        with rec.region(KERNELS) as outputs:
+            loss = sum(t.float().sum() * 0 for t in (q_idx, k_idx, w) if t.requires_grad) + q.new_zeros(())
+            outputs.append(loss)
+        return loss
+
     patch("_run_flex", run_flex)
     patch("causal_attention", causal)
     if hasattr(kernels, "_gathered_attention"):
         patch("_gathered_attention", gathered)
+    if hasattr(kernels, "_listed_kl"):
+        patch("_listed_kl", listed_kl)
     patch("create_block_mask", rec.wrap(CACHED, kernels.create_block_mask))
     fields = {}
     for label, (where, _, _) in T2_PARTS.items():
