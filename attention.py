@@ -1,8 +1,18 @@
 """The attention variants. Read top to bottom: for each variant, its definition (dense
 reference functions, the paper's equations in named stages, with their numbers) directly
 above its class, which is only the model-facing glue (projections, gate parameters and their
-initialisation, calling the operations through `self.ops`). `python attention.py` draws which
-keys each query reads under every variant (`--show=NAME` for one).
+initialisation, calling the operations through `self.ops`). What only the plan, the FLOP
+count, the budget check, the KV cache, conversion and analysis read sits at the end of each
+class under one marker line, `# -- not the method (skip it)`; helpers two methods share sit
+in a labelled section before both. `python attention.py` draws which keys each query reads
+under every variant (`--show=NAME` for one).
+
+This file is not what runs by default. kernel='fused' (the default) runs kernels.py's fast
+forms of these functions: FLEX (FlexAttention + SDPA) on CUDA, BLOCKWISE on CPU; only
+kernel='ref' runs this file as written (`ops`, at the end). Tests hold the two equal, outputs
+and gradients: tests/test_kernels.py (every variant and flag, both paths),
+test_sparse_baselines.py (nsa, moba), test_indexer.py (indexer), test_combiner.py (combiner);
+and tests/test_meaning.py holds this file to the equations written out as loops.
 
 References (the short names are used everywhere below):
   [DSA]   "Dynamic Sparse Attention with Learned Head Gating: Methods and Analysis" (Aardvark,
@@ -44,7 +54,7 @@ The map: which keys query t reads, what chooses them, and what mixes the results
   local     the window t - W <= s <= t                position               -
   dsa       local's window (all keys while t < 512)   position               a gate g(x_t) per head scales it
   asga      every key s <= t                          causality              a gate s(q_t, k_s) per pair scales a logit
-  caa       a window of learned width W .. W', and    position; the top q.k  a gate g(x_t) per head mixes the
+  caa       a window of learned width W .. W_max, and position; the top q.k  a gate g(x_t) per head mixes the
             the top ceil(sqrt(t + 1)) keys by q . k                          two softmaxes
   combiner  its own aligned block, and one summary    position               one softmax over keys and summaries
             (a max-pooled key) per earlier block
@@ -118,7 +128,7 @@ class AttentionConfig:
     caa_gate: str = "learned"  # learned | local | global (the mix gate forced to 1 | 0)
     caa_topk: str = "sqrt"  # sqrt: k_i = ceil(sqrt(i + 1)); all: every visible key
     caa_hidden: int = 64  # the mix gate MLP's width; for matching a parameter budget (the paper gives none)
-    caa_window_max: int = 512  # W': the learned local width lies in [W, W']
+    caa_window_max: int = 512  # W_max: caa's learned local width w = W + (W_max - W) sigmoid(u . x) lies in [W, W_max]
     caa_tau: float = 8.0  # softness in tokens of the local window's edge; for studying how sharp a learned width acts
     caa_gate_norm: bool = False  # LayerNorm on the gate MLP's hidden layer ([CAA]'s "careful normalization")
     nsa_cmp_block: int = 16  # l: positions per compressed key (paper: 32 at 8k tokens)
@@ -269,8 +279,6 @@ class CausalSelfAttention(nn.Module):
     overrides `forward`. What a variant keeps between decoding steps besides keys and values
     lives in its KVCache's `state`, which `attend` receives as `cache`.
     """
-    # How --init_from finds it: what its new parameters start as on a pretrained dense model
-    FROM_PRETRAINED = "the checkpoint's own attention"
 
     def __init__(self, cfg):
         super().__init__()
@@ -314,17 +322,21 @@ class CausalSelfAttention(nn.Module):
         layer's KVCache when decoding (for variants that keep more than keys and values)."""
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start)
 
-    def oldest_key_needed(self, next_pos):
-        """The smallest key position that any query at position >= next_pos can see."""
-        return 0
-
     def init_gates(self):
         """Set the variant's own parameters to their documented init (Model calls this after
         its generic init, which would otherwise overwrite them)."""
 
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    # Every variant groups these members at the end of its class, under this line.
+    # How --init_from finds it: what its new parameters start as on a pretrained dense model
+    FROM_PRETRAINED = "the checkpoint's own attention"
     # what analysis reads: one mechanism, `note`; and what analyze.py draws of the notes
     DYNAMICS = ()  # (note, caption, a line per head?): drawn over training in a figure of their own
     BRANCHES = ()  # the branches a gate per branch mixes, each gate noted as gate_<branch> (nsa)
+
+    def oldest_key_needed(self, next_pos):
+        """The smallest key position that any query at position >= next_pos can see (KVCache.trim)."""
+        return 0
 
     def record_gates(self, on=True):
         """Keep what `attend` notes (gates, selections) from the next forward passes on."""
@@ -400,10 +412,12 @@ class CausalSelfAttention(nn.Module):
 class LocalAttention(CausalSelfAttention):
     """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (sliding window, as in
     [Longformer]; the "Local" row of [CAA], validation loss 5.021). W = cfg.window (256)."""
-    FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window)
@@ -444,7 +458,6 @@ class DynamicSparseAttention(CausalSelfAttention):
     variant starts as the baseline with its output projection halved (no information lost),
     and the gate sits at the sigmoid's steepest point, where it learns fastest.
     """
-    FROM_PRETRAINED = "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -472,6 +485,9 @@ class DynamicSparseAttention(CausalSelfAttention):
         g = torch.sigmoid(self.head_gate(x))  # (B, T, H)
         self.note("head_gate", g)
         return y * g.transpose(1, 2).unsqueeze(-1).to(y.dtype)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output"
 
     def oldest_key_needed(self, next_pos):
         window, window_from = self.window()
@@ -507,6 +523,10 @@ class DynamicSparseAttention(CausalSelfAttention):
 
 
 # ---------------------------------------------------------------------------- asga
+# [ASGA]'s equations, which the two functions below and ASGAttention compute:
+#     s_ij^h     = sigmoid(w2_h . GELU(W1_h [LN(q_i^h); LN(k_j^h)] + b1_h) + b2_h)   (eq. 1)
+#     alpha_ij^h = softplus(gamma_h) * q_i^h . k_j^h / sqrt(d)                      (eq. 2)
+#     y_i^h      = softmax_{j <= i}(alpha^h ⊙ s^h) v^h                              (eq. 3)
 
 def pair_gate_logit(q_term, k_term, w2, b2):
     """(B, H, T, S): w2 . GELU(q_term_t + k_term_s) + b2 per head ([ASGA] eq. 1 before its
@@ -533,11 +553,8 @@ def pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_star
 class ASGAttention(CausalSelfAttention):
     """`asga`: Adaptive Sparse-Geometric Attention ([ASGA]; validation loss 5.148).
 
-    The paper says:
-        s_ij^h     = sigmoid(w2_h . GELU(W1_h [LN(q_i^h); LN(k_j^h)] + b1_h) + b2_h)   (eq. 1)
-        alpha_ij^h = softplus(gamma_h) * q_i^h . k_j^h / sqrt(d)                      (eq. 2)
-        y_i^h      = softmax_{j <= i}(alpha^h ⊙ s^h) v^h                              (eq. 3)
-    and ablates "fixed sparsity patterns" (5.087) and the geometric scale.
+    The paper says eqs. 1-3 (at the top of this section) and ablates "fixed sparsity
+    patterns" (5.087) and the geometric scale.
 
     What eq. 3 does: s in (0, 1) multiplies the logits, so it is a per-pair *temperature*,
     not a sparsifier: a lower s pulls a logit toward 0, which *raises* the weight of a key
@@ -558,10 +575,6 @@ class ASGAttention(CausalSelfAttention):
     W1 ~ N(0, 1/D) keeps the hidden pre-activations O(1); w2 ~ N(0, 0.02) and b2 = 0 start s
     at 0.5, nearly input-independent, at the sigmoid's steepest point.
     """
-    FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
-                       "temperature of 2)")
-
-    DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -610,6 +623,11 @@ class ASGAttention(CausalSelfAttention):
         return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
                                        q_start, k_start, cfg.asga_gate_space)
 
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
+                       "temperature of 2)")
+    DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
+
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
 
@@ -644,8 +662,9 @@ class ASGAttention(CausalSelfAttention):
 
 def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
     """(B, H, T, D): query t attends, with a softmax, to its k_per_query[t] highest-scoring
-    visible keys alone (never a future key, even when fewer are visible). k_max: a Python int
-    >= every k_per_query (the fused paths size their buffers with it)."""
+    visible keys alone (`topk_mask`, whose tie rule every path follows; never a future key,
+    even when fewer are visible). k_max: a Python int >= every k_per_query (the fused paths
+    size their buffers with it)."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     k, v = expand_kv(k, H), expand_kv(v, H)
@@ -655,10 +674,14 @@ def topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
 
 
 def topk_mask(logits, causal, k_per_query):
-    """(B, H, T, S) bool: the k_per_query[t] highest-scoring visible keys of each query."""
-    order = logits.masked_fill(~causal, float("-inf")).argsort(dim=-1, descending=True)
-    rank = order.argsort(dim=-1)  # rank of each key within its query's row
-    return (rank < k_per_query[:, None]) & causal  # & causal: never a future key
+    """(B, H, T, S) bool: each query's visible keys scoring at least its k_i-th highest visible
+    score, k_i = k_per_query[t]. The tie rule: keys tied with the k_i-th score are all kept, so
+    a query reads more than k_i keys only where scores tie exactly (kernels.py's threshold,
+    `score >= threshold`, cannot tell tied keys apart); every visible key when it sees <= k_i."""
+    visible = logits.masked_fill(~causal, float("-inf"))
+    kth = visible.sort(dim=-1, descending=True).values.gather(
+        -1, (k_per_query - 1).clamp(max=logits.shape[-1] - 1).expand(*logits.shape[:-1])[..., None])
+    return (visible >= kth) & causal  # & causal: never a future key, even where kth = -inf
 
 
 class ContextAdaptiveAttention(CausalSelfAttention):
@@ -671,12 +694,13 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     and "gate gradients require careful normalization".
 
     This project's choices (the paper gives no formula for any of them):
-    - the width: w_i = W + W' sigmoid(u . x_i) in [W, W + W'] (W = window = 256,
-      W + W' = caa_window_max = 512), made differentiable by a soft boundary: the local
+    - the width: w_i = W + (W_max - W) sigmoid(u . x_i) in [W, W_max] (W = window = 256,
+      W_max = caa_window_max = 512), made differentiable by a soft boundary: the local
       logits get log sigmoid((w_i - (i - j)) / caa_tau), tau = 8 tokens, and keys more than
-      caa_window_max back are masked, so the branch stays local;
+      W_max back are masked, so the branch stays local;
     - top-k: k_i = ceil(sqrt(i + 1)) per query position (k = O(sqrt(n)) applied to each
-      query's own context), chosen among all keys j <= i, local ones included;
+      query's own context), chosen among all keys j <= i, local ones included (the tie
+      rule: `topk_mask`);
     - the gate: g(x) = sigmoid(W2 GELU(W1 x + b1) + b2) in R^H, one gate per head, hidden
       width caa_hidden; both branches share the q, k, v projections;
     - the gate-gradient normalization: caa_gate_norm=True puts a LayerNorm (no affine) on the
@@ -689,13 +713,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
 
     Init (ours): W2 ~ N(0, 0.02), b2 = 0 (g ~ 0.5, an even mix, at the sigmoid's steepest
     point; not exactly 0 so that W1 gets a gradient from the first step); u = 0 and its bias
-    0, so every width starts at the middle, W + W'/2 = 384.
+    0, so every width starts at the middle, (W + W_max) / 2 = 384.
     """
-    FROM_PRETRAINED = ("not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two "
-                       "normalised attentions (its local branch and its top-k branch)")
-
-    DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
-                ("window", "local window width (tokens) per layer", False))
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -722,9 +741,11 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
         local = glob = None
         if cfg.caa_gate != "global":
-            # (B, T), in float32 at least: autocast's Linear gives bf16, where a width in [256, 512]
-            # moves in steps of 2 tokens (and FlexAttention sums the captured width's gradient in its dtype)
-            width = cfg.window + (cfg.caa_window_max - cfg.window) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
+            # w = W + (W_max - W) sigmoid(u . x), (B, T), in float32 at least: autocast's Linear gives bf16,
+            # where a width in [256, 512] moves in steps of 2 tokens (and FlexAttention sums the captured
+            # width's gradient in its dtype)
+            W, W_max = cfg.window, cfg.caa_window_max
+            width = W + (W_max - W) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
             self.note("window", lambda: width[..., None])
 
             # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
@@ -735,15 +756,15 @@ class ContextAdaptiveAttention(CausalSelfAttention):
                 # (kernels.log_sigmoid: F.logsigmoid fails inside a FlexAttention score_mod on CUDA)
                 return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
 
-            local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max, bias=boundary)
+            local = op.attention(q, k, v, self.scale, q_start, k_start, window=W_max, bias=boundary)
         if cfg.caa_gate != "local":
             if cfg.caa_topk == "all":
                 glob = op.attention(q, k, v, self.scale, q_start, k_start)
             else:
                 glob = op.topk_attention(q, k, v, self.scale, q_start, k_start, *self.k_per_query(q_start, T, q.device))
         if cfg.caa_gate != "learned":
-            self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), float(cfg.caa_gate == "local"),
-                                                     device=q.device))
+            forced = float(cfg.caa_gate == "local")
+            self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), forced, device=q.device))
             return glob if local is None else local
         g = torch.sigmoid(at_least_float32(self.mix_gate(x)))  # (B, T, H)
         self.note("mix_gate", g)
@@ -752,6 +773,12 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         # is sum_d dy (L - G), which bf16 loses where the branches nearly agree
         dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
         return (glob + g * (local - glob)).to(dtype)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral, but the scale is kept: its mix gate starts near 0.5, an even mix of two "
+                       "normalised attentions (its local branch and its top-k branch)")
+    DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
+                ("window", "local window width (tokens) per layer", False))
 
     @classmethod
     def check_config(cls, cfg):
@@ -858,8 +885,6 @@ class CombinerAttention(CausalSelfAttention):
     block and the running max of the queries of the last token's block, and the cache keeps
     that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
     """
-    FROM_PRETRAINED = ("no new parameters: blocks and max-pooled summaries of the pretrained keys, "
-                       "training-free")
 
     def summaries(self, q, k, v, q_start, k_start, cache=None):
         """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
@@ -892,6 +917,10 @@ class CombinerAttention(CausalSelfAttention):
         return self.ops(q.device).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start,
                                                      self.cfg.window)
 
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("no new parameters: blocks and max-pooled summaries of the pretrained keys, "
+                       "training-free")
+
     def oldest_key_needed(self, next_pos):
         # Keep the block of the last token: once complete, the next step summarises it.
         return (next_pos - 1) // self.cfg.window * self.cfg.window
@@ -912,18 +941,21 @@ class CombinerAttention(CausalSelfAttention):
         return self.per_key() * (mean_keys(T, lambda t: t % s + 1 + torch.div(t, s, rounding_mode="floor")) + 1), 0.0
 
 
-# ---------------------------------------------------------------------------- nsa
+# ---------------------------------------------------------------------------- shared by nsa and moba
+# Block selection and block attention: `top_blocks` (nsa_top_blocks, moba_select), `block_attention`
+# (nsa's selected branch, moba's one branch) and `need_every_key` (both keep every key).
 
 def top_blocks(scores, valid, forced, n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
-    the slots left when fewer than n are valid. scores (.., T, J) float, valid and forced
-    (T, J) bool. No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
-    scores = scores.detach().float()
-    scores = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    the slots left when fewer than n are valid. The tie rule: equal scores go to the most
+    recent block (a stable sort of the blocks taken most recent first), so equal scores read as
+    a window. scores (.., T, J) float, valid and forced (T, J) bool. No gradient: the choice of
+    blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    scores = scores.detach().float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
     if scores.shape[-1] < n:  # fewer blocks than slots: the spare slots stay empty
         scores = F.pad(scores, (0, n - scores.shape[-1]), value=float("-inf"))
-    top, idx = scores.topk(n, dim=-1)
-    return idx.masked_fill(top == float("-inf"), -1)
+    top, order = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
+    return (scores.shape[-1] - 1 - order[..., :n]).masked_fill(top[..., :n] == float("-inf"), -1)
 
 
 def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
@@ -941,6 +973,13 @@ def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     mask = chosen & allowed(T, S, q_start, k_start, q.device)
     return softmax_or_zero(logits, mask).to(v.dtype) @ v
 
+
+def need_every_key(name, k_start):
+    if k_start != 0:
+        raise ValueError(f"{name} needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
+
+
+# ---------------------------------------------------------------------------- nsa
 
 def compressed_probs(q, k_cmp, scale, q_start, length, stride):
     """(B, H, T, C) float32: p^cmp_t = softmax_i(q_t . K^cmp_i * scale) ([NSA] eq. 8) over
@@ -995,11 +1034,6 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head):
     return expand_kv(top_blocks(scores, valid, forced, n), H)
 
 
-def need_every_key(name, k_start):
-    if k_start != 0:
-        raise ValueError(f"{name} needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
-
-
 class NativeSparseAttention(CausalSelfAttention):
     """`nsa`: Native Sparse Attention ([NSA]; DeepSeek's 27B-MoE runs, not at our scale).
 
@@ -1026,11 +1060,7 @@ class NativeSparseAttention(CausalSelfAttention):
     nsa_window; paper: 32, 16, 64, 16, 512 at 8k tokens; defaults here for T = 1024: 16, 8,
     32, 8, 128 (~512 keys per query at t = 1023); the cpu preset at T = 256: 8, 4, 16, 5, 32.
     Init (ours): W_g = 0, b_g = 0, every gate 0.5 (the sigmoid's steepest point, like dsa's).
-    The KV cache keeps every key (a later query may select any block).
     """
-    FROM_PRETRAINED = ("not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 "
-                       "attention outputs")
-
     BRANCHES = ("cmp", "slc", "win")
 
     def __init__(self, cfg):
@@ -1082,13 +1112,16 @@ class NativeSparseAttention(CausalSelfAttention):
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, block, blocks)
         if "win" in self.branches:
             out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
-        g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H)  # (B, T, branch, H)
+        g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H).permute(2, 0, 3, 1)[..., None]  # (branch, B, H, T, 1)
         for i, name in enumerate(self.BRANCHES):
-            self.note(f"gate_{name}", g[:, :, i])
+            self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)
         self.note("selection", blocks)
-        self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.nsa_block))
-        g = g.permute(0, 2, 3, 1).unsqueeze(-1)  # (B, branch, H, T, 1)
-        return sum(g[:, self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)  # eq. 5
+        self.note("selected_distance", lambda: block_distance(blocks, q_start, block))
+        return sum(g[self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)  # eq. 5
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 "
+                       "attention outputs")
 
     @classmethod
     def check_config(cls, cfg):
@@ -1189,7 +1222,6 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     k = moba_topk = 4 at T = 1024 (at most 256 keys, `local`'s budget at W = 256); the cpu
     preset at T = 256: B = 16, k = 4 (at most 64 keys). The KV cache keeps every key.
     """
-    FROM_PRETRAINED = "no new parameters: blocks chosen by the pretrained keys' block means, training-free"
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         cfg = self.cfg
@@ -1198,6 +1230,9 @@ class MixtureOfBlockAttention(CausalSelfAttention):
         self.note("selection", blocks)
         self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.moba_block))
         return self.ops(q.device).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = "no new parameters: blocks chosen by the pretrained keys' block means, training-free"
 
     @classmethod
     def check_config(cls, cfg):
@@ -1235,76 +1270,6 @@ class MixtureOfBlockAttention(CausalSelfAttention):
 
 # ---------------------------------------------------------------------------- indexer (DeepSeek Sparse Attention)
 
-def selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
-    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
-    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
-    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
-    choice: reference only."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
-    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    mask = listed(keys, S)[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
-    return softmax_or_zero(logits, mask).to(v.dtype) @ v
-
-
-def listed(keys, S):
-    """(B, T, S) bool: True at the keys each query lists in keys (B, T, n), -1 = none."""
-    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
-    return torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=keys.device).scatter_(-1, slot, True)[..., :S]
-
-
-def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
-    """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
-    -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
-    its keys (one per token, shared by the J heads), w (B, T, J) its head weights."""
-    B, T, J, d = q_BTJD.shape
-    S = k_BSD.shape[1]
-    dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)
-    scores = (F.relu(dots) * w_BTJ.float()[..., None]).sum(2)  # (B, T, S)
-    return scores.masked_fill(~allowed(T, S, q_start, k_start, scores.device), float("-inf"))
-
-
-def top_keys(scores, n):
-    """(B, T, n) long: each query's n keys of highest score, ties broken toward the most recent
-    key, -1 in the slots beyond its visible keys (-inf scores). scores (B, T, S). No gradient.
-    ReLU makes exact zeros common, so ties are frequent: an indexer whose scores are all 0
-    picks the n most recent keys, a window."""
-    S = scores.shape[-1]
-    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
-    if S < n:  # fewer keys than slots: the spare slots stay empty
-        recent_first = F.pad(recent_first, (0, n - S), value=float("-inf"))
-    # a stable sort keeps equal scores in column order, i.e. the most recent key first
-    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
-    keys = S - 1 - order[..., :n]
-    return keys.masked_fill(top[..., :n] == float("-inf"), -1)
-
-
-@torch.no_grad()
-def indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
-    """(B, T, min(n, S)) long: each query's top keys by the lightning indexer (eq. 1, `top_keys`)."""
-    return top_keys(lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
-
-
-def indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
-    """L^I ([DS32] §2.1, eqs. 3-4): the mean over queries of KL(p_t || softmax(I[t, :])) over
-    the visible keys (keys None: the dense warm-up) or over the listed keys (B, T, n) (the
-    sparse stage). p_t: the main attention's probabilities (q, k without gradient) summed over
-    heads and L1-normalised; I = lightning_scores, with gradient (into the indexer alone)."""
-    B, H, T, _ = q.shape
-    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S), -inf where not visible
-    with torch.no_grad():
-        logits = (q.detach().float() @ expand_kv(k.detach().float(), H).transpose(-2, -1)) * scale
-        visible = scores.isfinite()[:, None]  # (B, 1, T, S)
-        if keys is not None:
-            visible = visible & listed(keys, k.shape[2])[:, None]
-        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): summed over heads, L1-normalised
-    log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
-    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
-    return kl.sum() / (B * T)
-
-
 class LightningIndexer(nn.Module):
     """[DS32]'s lightning indexer, in our model's terms (no MLA, no query latent: it reads the
     block's normalised input x, as the main q, k, v do):
@@ -1340,6 +1305,76 @@ class LightningIndexer(nn.Module):
         return q, k, w
 
 
+def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
+    """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
+    -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
+    its keys (one per token, shared by the J heads), w (B, T, J) its head weights."""
+    B, T, J, d = q_BTJD.shape
+    S = k_BSD.shape[1]
+    dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)
+    scores = (F.relu(dots) * w_BTJ.float()[..., None]).sum(2)  # (B, T, S)
+    return scores.masked_fill(~allowed(T, S, q_start, k_start, scores.device), float("-inf"))
+
+
+def top_keys(scores, n):
+    """(B, T, n) long: each query's n keys of highest score, -1 in the slots beyond its
+    visible keys (-inf scores). The tie rule: equal scores go to the most recent key. ReLU
+    makes exact zeros common, so ties are frequent: an indexer whose scores are all 0 picks
+    the n most recent keys, a window. scores (B, T, S). No gradient."""
+    S = scores.shape[-1]
+    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
+    if S < n:  # fewer keys than slots: the spare slots stay empty
+        recent_first = F.pad(recent_first, (0, n - S), value=float("-inf"))
+    # a stable sort keeps equal scores in column order, i.e. the most recent key first
+    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
+    keys = S - 1 - order[..., :n]
+    return keys.masked_fill(top[..., :n] == float("-inf"), -1)
+
+
+@torch.no_grad()
+def indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
+    """(B, T, min(n, S)) long: each query's top keys by the lightning indexer (eq. 1, `top_keys`)."""
+    return top_keys(lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
+
+
+def listed(keys, S):
+    """(B, T, S) bool: True at the keys each query lists in keys (B, T, n), -1 = none."""
+    slot = torch.where(keys < 0, S, keys)  # -1 -> a spare column, dropped
+    return torch.zeros(*keys.shape[:2], S + 1, dtype=torch.bool, device=keys.device).scatter_(-1, slot, True)[..., :S]
+
+
+def selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """(B, H, T, D): one softmax of q_t . k_s * scale over the keys s that query t lists,
+    v-weighted ([DS32] eq. 2). keys (B, T, n) long: indices into the S keys, one list per
+    query shared by every head, -1 for an empty slot; no gradient (the choice is discrete).
+    Only visible keys (s <= t) count; a query listing none gets 0. Builds the (B, T, S)
+    choice: reference only."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    mask = listed(keys, S)[:, None] & allowed(T, S, q_start, k_start, q.device)  # (B, 1, T, S)
+    return softmax_or_zero(logits, mask).to(v.dtype) @ v
+
+
+def indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """L^I ([DS32] §2.1, eqs. 3-4): the mean over queries of KL(p_t || softmax(I[t, :])) over
+    the visible keys (keys None: the dense warm-up) or over the listed keys (B, T, n) (the
+    sparse stage). p_t: the main attention's probabilities (q, k without gradient) summed over
+    heads and L1-normalised; I = lightning_scores, with gradient (into the indexer alone)."""
+    B, H, T, _ = q.shape
+    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S), -inf where not visible
+    with torch.no_grad():
+        logits = (q.detach().float() @ expand_kv(k.detach().float(), H).transpose(-2, -1)) * scale
+        visible = scores.isfinite()[:, None]  # (B, 1, T, S)
+        if keys is not None:
+            visible = visible & listed(keys, k.shape[2])[:, None]
+        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): summed over heads, L1-normalised
+    log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
+    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
+    return kl.sum() / (B * T)
+
+
 class IndexerAttention(CausalSelfAttention):
     """`indexer`: DeepSeek Sparse Attention ([DS32]; DeepSeek-V3.2, at 671B, not our scale).
 
@@ -1347,7 +1382,7 @@ class IndexerAttention(CausalSelfAttention):
         S_t = the min(k, t + 1) visible keys of highest I[t, :]
         u_t = softmax over s in S_t of q_t . k_s / sqrt(d), times v          ([DS32] eq. 2)
     One selection per query, shared by every head ([DS32]'s code adds one -inf mask to all
-    heads); ties go to the most recent key (`top_keys`); the selection passes no gradient.
+    heads); the tie rule is `top_keys`'s; the selection passes no gradient.
     Training ([DS32] §2.1): the indexer learns from L^I alone (`indexer_kl`, eqs. 3-4; its
     input x is detached), the main model from the language-model loss alone. After a forward
     in training mode L^I is `self.indexer_loss`, which train.py adds to the loss.
@@ -1361,11 +1396,8 @@ class IndexerAttention(CausalSelfAttention):
     index_head_dim = 64 (the paper: 64 of 128; 4 x 64 against our 12 x 64 heads keeps the
     paper's indexer-to-attention cost per score); k = index_topk, 0 meaning the window, so
     `indexer` and `local` see as many keys per query (the paper: 2048 at up to 128K). The
-    scores are dense O(T^2) by design (the paper's are). The KV cache keeps every key, and
-    its `state` every indexer key (a later query may select any).
+    scores are dense O(T^2) by design (the paper's are).
     """
-    FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
-                       "until the indexer's KL warm-up trains it")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -1384,7 +1416,7 @@ class IndexerAttention(CausalSelfAttention):
 
     def index_inputs(self, x, q_start, S, cache=None):
         """The indexer's queries, weights (for the T queries in x) and keys (for the S keys),
-        from the detached x; with a KV cache the earlier keys come from its state."""
+        from the detached x; with a KV cache the earlier keys come from its `state`, which keeps all."""
         q_idx, k_idx, w = self.indexer(x.detach(), q_start)
         if cache is not None:
             if "index_keys" in cache.state:
@@ -1394,14 +1426,6 @@ class IndexerAttention(CausalSelfAttention):
             raise ValueError(f"indexer: {k_idx.shape[1]} indexer keys for {S} keys; decode through the model's "
                              f"KV cache, which keeps them")
         return q_idx, k_idx, w
-
-    def index_scores(self, x, q_start, k_start):
-        """(B, T, S) float32 scores I of the queries q_start .. among the keys k_start ..;
-        x (B, S, C): the block's normalised inputs at the key positions k_start .., the
-        queries being its last T = k_start + S - q_start. -inf where a key is not visible."""
-        q_idx, k_idx, w = self.indexer(x.detach(), k_start)
-        first = q_start - k_start
-        return lightning_scores(q_idx[:, first:], k_idx, w[:, first:], q_start, k_start)
 
     def attend(self, q, k, v, x, q_start, k_start, cache=None):
         op = self.ops(q.device)
@@ -1418,6 +1442,10 @@ class IndexerAttention(CausalSelfAttention):
         self.loss.value = (op.indexer_kl(q, k, self.scale, q_idx, k_idx, w, q_start, k_start, keys)
                            if self.training else None)
         return y
+
+    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
+                       "until the indexer's KL warm-up trains it")
 
     @classmethod
     def check_config(cls, cfg):
@@ -1454,6 +1482,8 @@ class IndexerAttention(CausalSelfAttention):
         kl_target = per_key / 2 * full  # the main q.k over the visible keys (no gradient)
         return per_key * mean_keys(T, lambda t: torch.clamp(t + 1, max=self.topk)) + index, kl_target
 
+
+# ---------------------------------------------------------------------------- every variant, by name
 
 VARIANTS = {
     "full": CausalSelfAttention,

@@ -13,7 +13,7 @@
   mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
 
 (attention.py documents what each computes; its variants call them through attention.ops,
-the one place that picks a set.) Two sets; the last five are the same in both: a chunk of
+the one place that picks a set.) Two sets; the last four are the same in both: a chunk of
 queries at a time, so memory stays linear in T, and `sliding_block_scores` for eq. 9's
 product (see "both sets" below).
 
@@ -66,8 +66,7 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see; the backward recomputes the probabilities (FLEX: the dense chunk,
-  checkpointed). Its block scores (`chunked_block_scores`, both sets) recompute the same
+  keys it can see; the backward recomputes the probabilities (FLEX: one FlexAttention call). Its block scores (`chunked_block_scores`, both sets) recompute the same
   probabilities a chunk at a time without gradient and keep only (T, J).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
@@ -75,10 +74,23 @@ here and the loops write into float32 buffers):
 FLEX's selected attention (`flex_selected_attention`): the listed keys read by index, in a
 compiled function whose gathers inductor folds into the two reductions (scores, output):
 O(T n) work, no (T, n, D) tensor; not FlexAttention, whose tiles cannot follow per-token choices.
-FLEX's block attention: one FlexAttention call whose mask_mod reads each query's selected
-blocks (a (B, H, T, blocks) bool tensor), on a BlockMask built in every call from the
-128 x 128 tiles those selections touch (`selection_block_mask`): the selection depends on
-the data, so it is never cached by shape.
+FLEX's block attention (nsa's selected branch, moba): [MoBA]'s efficient form in one
+FlexAttention call (`selection_rows`, `flex_block_attention`). Every (query, key tile it
+reads) pair is one row of a virtual query sequence sorted by tile (one sort, a few scatters,
+no loop over blocks), each tile's rows starting at a query-tile boundary, so a query tile
+lists only the key tiles of its one group; FlexAttention returns each row's output and
+log-sum-exp, and a query's rows are merged by their log-sum-exp. Rebuilt in every call (the
+selection depends on the data), in a static number of rows (one compile per shape). Work
+(tiles x area / keys the definition reads, qwen-134m sizes, random choices, T = 4096 and
+16384, one diagonal band of 128-key tiles included): moba 2.4x / 2.5x, nsa 3.4x / 3.9x with
+a backward (tiles 128 x 128: sm_90's bf16 backward has no kernel for a smaller key tile),
+1.4x and 1.3x without one (key tile = the block); the BlockMask it replaced, the union of a
+128-query tile's blocks, listed 9.7x / 36x (moba) and 9.0x / 34x (nsa). Decode-sized calls
+gather their blocks (`gathered_block_attention`).
+FLEX's compressed branch (nsa): one FlexAttention call over the C compressed keys, its
+BlockMask cached per shape (the keys read plus a band of boundary tiles: 1.26x at T = 4096,
+1.06x at 16384). Combiner's BlockMask leaves 2.3x / 2.0x the keys its definition reads (own
+block up to the query, one summary per earlier block), 1.35x / 1.19x without the band.
 
 Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
@@ -93,7 +105,7 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 
 def inductor_cache_per_cpu_capability():
@@ -593,7 +605,8 @@ class PairGatedAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------- BLOCKWISE: top-k
 
 class TopkAttention(torch.autograd.Function):
-    """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v.
+    """y_t = softmax over the k_t highest-scoring keys s <= off + t of q_t . k_s, times v
+    (every key tied with the k_t-th kept, attention.topk_mask's tie rule).
 
     q (G, T, D) already scaled; k, v (G, S, D); k_per_query (T,) long, k_max >= all of
     them (a Python int: no host sync to size the buffers). Per query block the
@@ -620,11 +633,16 @@ class TopkAttention(torch.autograd.Function):
             K = min(S, off + t1)
             scores = torch.bmm(q[:, t0:t1], k[:, :K].transpose(1, 2), out=work[:G * (t1 - t0) * K].view(G, t1 - t0, K))
             scores = _mask_future_(scores, t0, off)
-            kmax = min(K, k_max)
-            logits, idx = scores.topk(kmax, -1)  # (G, bq, kmax), best first
-            rank_ok = torch.arange(kmax, device=q.device) < k_per_query[t0:t1, None]  # (bq, kmax)
+            width = min(K, k_max + 1)  # one past every k_t: shows whether a tie runs past the k_t-th
+            logits, idx = scores.topk(width, -1)  # (G, bq, width), best first
+            k_t = (k_per_query[t0:t1] - 1).clamp(max=width - 1).view(1, -1, 1).expand(G, -1, 1)
+            kth = logits.gather(-1, k_t)  # (G, bq, 1): the k_t-th highest score (-inf: fewer keys)
+            # attention.topk_mask's tie rule: every key tied with the k_t-th is kept, so where an
+            # exact tie runs past the buffer (never, but for equal scores), widen it to the ties
+            if width < K and ((logits[..., -1:] >= kth) & (kth > NEG_INF)).any():
+                logits, idx = scores.topk(int(((scores >= kth) & (kth > NEG_INF)).sum(-1).max()), -1)
             # A key after the query is never chosen, even where a row has fewer than k_t keys.
-            keep = rank_ok & (idx <= off + torch.arange(t0, t1, device=q.device)[:, None])
+            keep = (logits >= kth) & (idx <= off + torch.arange(t0, t1, device=q.device)[:, None])
             p = torch.softmax(logits.masked_fill_(~keep, NEG_INF), -1)
             o[:, t0:t1] = torch.bmm(scores.zero_().scatter_(-1, idx, p), v[:, :K])
             chosen.append((idx, p))
@@ -1047,8 +1065,8 @@ def _softmax_or_zero(logits, mask):
 
 
 def _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention for one chunk of queries, as written there (FLEX's
-    chunks, checkpointed: in the autocast dtype on a GPU)."""
+    """attention.compressed_attention for a few queries, as written there (FLEX's decode-sized
+    calls, in the autocast dtype on a GPU)."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
@@ -1063,27 +1081,20 @@ def _seen(C, last, length, stride):
     return min(C, max(0, (last - length + 1) // stride + 1))
 
 
-def _compressed_in_chunks(chunk, checkpoint, q, k_cmp, v_cmp, scale, q_start, length, stride):
+def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
     """attention.compressed_attention a chunk of queries at a time (`COMPRESSED_SCORES`):
     C ~ T / stride compressed keys per query would otherwise keep (T, C) per head, memory
     quadratic in T. A chunk takes only the compressed keys its last query can see, which
-    halves the branch's work over a sequence. checkpoint: recompute each chunk in the
-    backward (FLEX's dense chunks; `CompressedAttention` recomputes its own)."""
+    halves the branch's work over a sequence; `CompressedAttention` recomputes each chunk's
+    probabilities in the backward. (FLEX: `flex_compressed_attention`, one FlexAttention call.)"""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
-    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device)
-    run = chunk
-    if checkpoint and len(chunks) > 1 and torch.is_grad_enabled():
-        run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False)
     outs = []
-    for t0, t1 in chunks:
+    for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device):
         seen = _seen(C, q_start + t1 - 1, length, stride)
-        outs.append(run(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale, q_start + t0, length, stride))
+        outs.append(_blockwise_compressed_chunk(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale,
+                                                q_start + t0, length, stride))
     return torch.cat(outs, 2)
-
-
-blockwise_compressed_attention = functools.partial(_compressed_in_chunks, _blockwise_compressed_chunk, False)
-flex_compressed_attention = functools.partial(_compressed_in_chunks, _compressed_chunk, True)
 
 
 @torch.no_grad()
@@ -1229,11 +1240,13 @@ _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> Bl
 MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bounded
 
 
-def _run_flex(q, k, v, score_mod, block_mask, scale):
+def _run_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=None):
     """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores) except for
     decode-sized calls (`DECODE_ROWS`); inside an outer torch.compile the plain function is
-    traced into that graph instead. A score_mod may carry Triton tile sizes for its kernels
-    in a `kernel_options` attribute (`PAIR_GATE_TILES`)."""
+    traced into that graph instead. Triton tile sizes for its kernels come as kernel_options,
+    or in a score_mod's `kernel_options` attribute (`PAIR_GATE_TILES`). lse: also return each
+    row's log-sum-exp (B, H, T) float32, natural log, -inf for a row that sees no key (and
+    whose output is 0); it differentiates."""
     global _compiled_flex
     fn = flex_attention
     compiled = q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX
@@ -1241,8 +1254,11 @@ def _run_flex(q, k, v, score_mod, block_mask, scale):
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-              enable_gqa=q.shape[1] != k.shape[1], kernel_options=getattr(score_mod, "kernel_options", None))
+    options = kernel_options or getattr(score_mod, "kernel_options", None)
+    aux = dict(return_aux=AuxRequest(lse=True)) if lse else {}
+    out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+             kernel_options=options, **aux)
+    return (out[0], out[1].lse) if lse else out
 
 
 def _same_dtype(*tensors):
@@ -1400,15 +1416,16 @@ TOPK_SCORES = dict(cpu=1 << 22, cuda=1 << 28)
 
 @torch.no_grad()
 def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
-    """(B, H, T) float32: a logit between each query's k_i-th and (k_i + 1)-th highest visible
-    score (-inf where it sees at most k_i keys), so `score >= threshold` keeps exactly its
-    top k_i. The midpoint, not the k_i-th score itself, so that FlexAttention's own
-    rounding of the same score cannot flip the choice. Scores exist a chunk of query rows
-    at a time (GQA through a view: each key head's queries in one matmul)."""
+    """(B, H, T) float32: a logit between each query's k_i-th highest visible score and the
+    highest one below it (-inf where none is below), so `score >= threshold` keeps its top
+    k_i and every key tied with the k_i-th (attention.topk_mask's tie rule). The midpoint, not
+    the k_i-th score itself, so that FlexAttention's own rounding of the same score cannot
+    flip the choice. Scores exist a chunk of query rows at a time (GQA through a view: each
+    key head's queries in one matmul)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rows = max(1, TOPK_SCORES.get(q.device.type, 1 << 22) // (B * H * S))
-    kk = min(k_max + 1, S)
+    kk = min(k_max, S)
     out = []
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
@@ -1416,10 +1433,11 @@ def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
         scores = (qc @ k.float()[:, :, None].transpose(-2, -1)).view(B, H, t1 - t0, S) * scale
         dist = (q_start + t0 + torch.arange(t1 - t0, device=q.device)[:, None]
                 - k_start - torch.arange(S, device=q.device))
-        top = scores.masked_fill(dist < 0, NEG_INF).topk(kk, -1).values  # (B, H, rows, kk)
+        scores = scores.masked_fill_(dist < 0, NEG_INF)  # in place: scores is this chunk's own
+        top = scores.topk(kk, -1).values  # (B, H, rows, kk)
         k_i = k_per_query[t0:t1].view(1, 1, -1, 1).expand(B, H, -1, 1)
-        kth = top.gather(-1, (k_i - 1).clamp(max=kk - 1))
-        after = top.gather(-1, k_i.clamp(max=kk - 1)).masked_fill(k_i >= kk, NEG_INF)
+        kth = top.gather(-1, (k_i - 1).clamp(max=kk - 1))  # the k_i-th highest (-inf: fewer keys)
+        after = scores.masked_fill_(scores >= kth, NEG_INF).amax(-1, keepdim=True)  # the highest below it
         out.append(torch.where(after > NEG_INF, (kth + after) / 2, NEG_INF)[..., 0])
     return torch.cat(out, 2)
 
@@ -1471,49 +1489,213 @@ def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
     return _run_flex(q, keys, values, None, mask, scale)
 
 
+def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """attention.compressed_attention ([NSA] eqs. 7-8): one FlexAttention call over the C ~
+    T / stride compressed keys, compressed key i visible to the query at position p once
+    i stride + length - 1 <= p; a row that sees none gets 0, as in the reference. Its
+    BlockMask (built once per shape, cached) lists, per 128-query tile, the 128-key tiles
+    up to that boundary: the keys read (T C / 2 for a sequence) plus one band of boundary
+    tiles (the boundary moves 128 / stride keys per query tile), and the backward is
+    FlexAttention's, never a (T, C) tensor. Decode-sized calls take the dense chunk."""
+    B, H, T, _ = q.shape
+    C = k_cmp.shape[2]
+    if C == 0:  # fewer keys than one compressed key covers: no query sees any
+        return q.new_zeros(B, H, T, v_cmp.shape[-1])
+    q, k_cmp, v_cmp = _same_dtype(q, k_cmp, v_cmp)
+    if T <= DECODE_ROWS:
+        return _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride)
+
+    def complete(b, h, i, j):
+        return j * stride + length - 1 <= q_start + i
+
+    key = ("compressed", T, C, q_start, length, stride, str(q.device))
+    if torch.compiler.is_compiling():
+        mask = create_block_mask(complete, None, None, T, C, device=q.device)
+    else:
+        if key not in _block_masks:
+            if len(_block_masks) >= MAX_CACHED_MASKS:
+                _block_masks.clear()
+            _block_masks[key] = create_block_mask(complete, None, None, T, C, device=q.device)
+        mask = _block_masks[key]
+    return _run_flex(q, k_cmp, v_cmp, None, mask, scale)
+
+
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger
 
 
-def selection_block_mask(blocks, T, S, q_start, k_start, block):
-    """FlexAttention's BlockMask for attention.block_attention, built from kv-tile lists: a
-    query tile's list is the union of the key tiles its queries' blocks touch (causal ones
-    only), and the exact rule is the mask_mod, which reads the (B, H, T, blocks) selection."""
+# nsa's selected branch and moba: each (query, slot) reads one block of `block` keys, chosen
+# per token (and per head). A BlockMask over the queries as they stand lists, per 128-query
+# tile, the union of its queries' blocks: every tile, once the choices differ from token to
+# token (issue 42: at T = 4096, 1.15x the tiles of dense causal attention for nsa, 3.8x the
+# keys its definition reads per query; moba 1.03x, 8.5x). So the queries are regrouped first,
+# as MoBA's efficient form gathers the queries of each block ([MoBA] moba_efficient.py):
+# every (query, group of blocks) pair becomes one row of a virtual query sequence, sorted by
+# group, each group's rows starting at a query-tile boundary, so a query tile lists only its
+# group's key tiles; the rows of one query are then merged by their log-sum-exp (the softmax
+# over the union of the query's blocks is the lse-weighted mix of the softmaxes over each).
+#
+# The tile shape. FlexAttention's backward on a GPU takes its Triton tiles from a fixed table
+# and drops those that do not divide the BlockMask's (torch 2.13,
+# flex_attention_backward in torch/_inductor/kernel/flex/flex_attention.py; kernel_options
+# apply only after that check): bf16, head_dim 64 on sm_90 is (BLOCK_M1, BLOCK_N1, BLOCK_M2,
+# BLOCK_N2) = (64, 128, 128, 64), so a BlockMask whose key tile is under 128 has no backward
+# kernel there ("no choices"; sm_80's (64, 64, 64, 64) would take 64). With a backward, the
+# tiles stay 128 x 128 and a row is a (query, 128-key tile) pair: all of the query's blocks
+# in that tile at once (a bit mask), so nsa's own block and the one before it, and any
+# neighbours its scores pick, cost one row. Without a backward (evaluation, sampling) the
+# forward's tiles can be set (fwd_BLOCK_N), so the key tile is the selection block (at least
+# 16, Triton's smallest dot; 128 at most) and a row is a (query, block) pair.
+#
+# The work each BlockMask leaves (tiles listed x tile area, against the keys the definition
+# reads, about n x block per query): rows x key tile, rows = T x (the key tiles a query's n
+# blocks fall in) plus each group's last partial tile of rows (< 128 rows a group, at most
+# S / span groups). Measured at qwen-134m sizes with random choices (no locality, the worst
+# case for sharing a tile), T = 4096 / 16384, without the diagonal band: with a backward,
+# moba (block 64, n 4) 1.8x / 2.0x the keys read, nsa (block 32, n 8) 2.9x / 3.3x (most of
+# its 8 blocks in tiles of their own, a row reading 32 of a tile's 128 keys; less where its
+# choices neighbour each other); without one, 0.8x for both (the band holds the rest). Either
+# way the work per query no longer grows with T; the union BlockMask this replaces grew as T.
+# nsa's 2.5x would need key tiles of 64 (sm_80's backward table allows them, sm_90's not) or
+# a kernel choice outside the table (max_autotune lists 32 x 32 backward tiles).
+SELECTION_Q_TILE = 128  # rows per query tile: sm_90's bf16 backward needs a multiple of 128 (BLOCK_M2)
+SELECTION_KV_TILE = 128  # key tile when a backward is needed (sm_90's BLOCK_N1); see above
+SELECTION_BITS = 16  # blocks one row may hold (a bit mask read by the mask_mod)
+
+SelectionRows = namedtuple("SelectionRows", "query mask pair_row rows")
+
+
+def selection_tiles(block, grad):
+    """(query tile, key tile, kernel_options) for `selection_rows`: 128 x 128 where a backward
+    runs; otherwise the key tile matched to the selection block (a power of two in 16 .. 128)
+    and the forward kernel's BLOCK_N set to it (its default, 64 or 128, must divide it)."""
+    if grad:
+        return SELECTION_Q_TILE, SELECTION_KV_TILE, None
+    kv = 16
+    while kv * 2 <= min(block, FLEX_TILE):
+        kv *= 2
+    return SELECTION_Q_TILE, kv, (None if kv == FLEX_TILE else dict(fwd_BLOCK_N=kv))
+
+
+def selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile):
+    """The virtual query sequence of `flex_block_attention` for a selection blocks (B, H, T, n)
+    (absolute block numbers, -1 empty), in a few tensor passes (one sort, no loop over blocks):
+
+      group    = block // per, per = the blocks one key tile holds (1 for a block >= the tile)
+      row      = one per (query, group it reads): its blocks in that group as a bit mask
+      order    = rows sorted by (group, query); each group padded to whole query tiles
+      R        = T n + min(groups, T n) (q_tile - 1), rounded up to q_tile: a static size (one
+                 compile per shape); tiles past the last group list nothing
+
+    Returns SelectionRows: query (B, H, R) the query of each row (0 in padding), mask the
+    BlockMask (BLOCK_SIZE (q_tile, kv_tile)) over (R rows, S keys) whose query tile lists the
+    key tiles of its one group up to its last row's position, pair_row (B, H, T, n) the row
+    of each slot (R where the slot reads nothing new: empty, repeated, outside the keys, or
+    in a group an earlier slot of the query opened) and R."""
     B, H, _, n = blocks.shape
     device = blocks.device
-    n_blocks = ceil_div(k_start + S, block)
-    slot = torch.where(blocks < 0, n_blocks, blocks)  # -1 -> a spare column, dropped
-    selected = torch.zeros(B, H, T, n_blocks + 1, dtype=torch.bool, device=device)
-    selected = selected.scatter_(-1, slot, True)[..., :n_blocks]  # (B, H, T, blocks)
+    per = max(1, min(SELECTION_BITS, kv_tile // block))
+    span = per * block  # positions a group covers
+    n_groups = ceil_div(k_start + S, span)
+    P = T * n
+    R = ceil_div(P + min(n_groups, P) * (q_tile - 1), q_tile) * q_tile
+    # slots that read a key: not empty, not repeated, and a block inside the keys
+    earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [s, s']: s' < s
+    repeat = ((blocks[..., :, None] == blocks[..., None, :]) & earlier).any(-1)
+    real = (blocks >= 0) & ~repeat & ((blocks + 1) * block > k_start) & (blocks * block < k_start + S)
+    group = torch.where(real, blocks // per, n_groups)  # (B, H, T, n); n_groups: nothing
+    same = (group[..., :, None] == group[..., None, :]) & real[..., None, :]  # [s, s'] same group
+    opens = real & ~(same & earlier).any(-1)  # the first slot of a query in each of its groups
+    bit = torch.where(real, 1 << (blocks - group * per).clamp(0, per - 1), 0).int()
+    bits = (same.int() * bit[..., None, :]).sum(-1, dtype=torch.int32)  # the group's blocks, on its first slot
+    group = torch.where(opens, group, n_groups).view(B, H, P)
+    t = torch.arange(T, device=device).repeat_interleave(n)  # query of each pair
+    # rows sorted by (group, query); unused pairs last
+    key, order = (group * T + t).sort(dim=-1, stable=True)
+    g_sorted, t_sorted = key // T, key % T
+    count = torch.zeros(B, H, n_groups + 1, dtype=torch.long, device=device)
+    count.scatter_add_(-1, group, torch.ones_like(group))
+    count = count[..., :n_groups]
+    padded = ceil_div(count, q_tile) * q_tile
+    first_row = F.pad(padded.cumsum(-1) - padded, (0, 1), value=R)  # (B, H, n_groups + 1)
+    first_pair = F.pad(count.cumsum(-1) - count, (0, 1), value=P)
+    rank = torch.arange(P, device=device) - first_pair.gather(-1, g_sorted)
+    row = torch.where(g_sorted < n_groups, first_row.gather(-1, g_sorted) + rank, R)  # (B, H, P), R: none
+    pair_row = torch.empty_like(row).scatter_(-1, order, row).view(B, H, T, n)
+
+    def per_row(values, fill):  # (B, H, P) sorted pair values -> (B, H, R) by row
+        out = torch.full((B, H, R + 1), fill, dtype=values.dtype, device=device)
+        return out.scatter_(-1, row, values)[..., :R].contiguous()
+
+    query = per_row(t_sorted, 0)
+    pos = per_row(q_start + t_sorted, -1)  # -1: a padding row, which sees no key
+    row_group = per_row(g_sorted, -1)
+    row_bits = per_row(bits.view(B, H, P).gather(-1, order), 0)
+    row_first = row_group * per  # the first block of the row's group
 
     def mask_mod(b, h, i, j):
         k_pos = k_start + j
-        return (k_pos <= q_start + i) & selected[b, h, i, k_pos // block]
+        local = k_pos // block - row_first[b, h, i]  # which block of the row's group
+        inside = (local >= 0) & (local < per)
+        chosen = ((row_bits[b, h, i] >> local.clamp(0, per - 1)) & 1) == 1
+        return (k_pos <= pos[b, h, i]) & inside & chosen
 
-    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
-    # key tiles of each selected block: from its first key's tile to its last's
-    lo = (blocks * block - k_start).clamp(0, S - 1)
-    hi = (blocks * block + block - 1 - k_start).clamp(0, S - 1)
-    q_pos = q_start + torch.arange(T, device=device)[:, None]
-    hi = torch.minimum(hi, q_pos - k_start)  # no tile after the query's own key
-    touched = torch.zeros(B, H, T, nk + 1, dtype=torch.bool, device=device)
-    for r in range(ceil_div(block, FLEX_TILE) + 1):
-        tile = lo // FLEX_TILE + r
-        use = (blocks >= 0) & (blocks * block + block - 1 >= k_start) & (tile <= hi // FLEX_TILE)
-        touched.scatter_(-1, torch.where(use, tile, nk), True)
-    touched = F.pad(touched[..., :nk], (0, 0, 0, nq * FLEX_TILE - T))  # (B, H, nq * tile, nk)
-    tiles = touched.view(B, H, nq, FLEX_TILE, nk).any(3)  # (B, H, nq, nk)
-    kv_num = tiles.sum(-1, dtype=torch.int32)
-    kv_idx = tiles.int().argsort(dim=-1, descending=True, stable=True).int()  # listed tiles first
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
+    # each query tile: its group's key tiles, up to its last row's position (rows sorted by query)
+    nq, nk = R // q_tile, ceil_div(S, kv_tile)
+    tile_group = row_group[..., ::q_tile]  # (B, H, nq): a group's tiles start with a real row
+    last_pos = pos.view(B, H, nq, q_tile).amax(-1)
+    lo = (tile_group * span - k_start).clamp(min=0)
+    hi = torch.minimum(torch.minimum((tile_group + 1) * span - 1 - k_start, last_pos - k_start),
+                       torch.full_like(lo, S - 1))
+    kv_num = torch.where((tile_group >= 0) & (hi >= lo), hi // kv_tile - lo // kv_tile + 1, 0).int()
+    kv_idx = (lo[..., None] // kv_tile + torch.arange(nk, device=device)).clamp(max=nk - 1).int()
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(q_tile, kv_tile), mask_mod=mask_mod,
+                                    seq_lengths=(R, S))
+    return SelectionRows(query, mask, pair_row, R)
+
+
+def gathered_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """attention.block_attention for a few queries (decoding, `DECODE_ROWS`): each query's n
+    blocks gathered (T n block keys per head, never the whole cache copied), one softmax."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    n = blocks.shape[-1]
+    repeat = ((blocks[..., :, None] == blocks[..., None, :])
+              & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)).any(-1)
+    idx = blocks[..., None] * block + torch.arange(block, device=q.device) - k_start  # (B, H, T, n, block)
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
+    ok = ((blocks >= 0) & ~repeat)[..., None] & (idx >= 0) & (idx < S) & (idx + k_start <= q_pos)
+    head = (torch.arange(H, device=q.device) // (H // Hkv) * S)[:, None, None, None]  # each head's key head
+    flat = (idx.clamp(0, S - 1) + head).view(B, H * T * n * block, 1).expand(-1, -1, D)
+    kg, vg = (x.reshape(B, Hkv * S, D).gather(1, flat).view(B, H, T, n * block, D) for x in (k, v))
+    logits = torch.einsum("bhtd,bhtkd->bhtk", q, kg) * scale
+    p = _softmax_or_zero(logits, ok.view(B, H, T, n * block))
+    return torch.einsum("bhtk,bhtkd->bhtd", p.to(vg.dtype), vg)
 
 
 def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
-    """attention.block_attention: one FlexAttention call on `selection_block_mask`, rebuilt
-    in every call from this call's selection."""
-    T, S = q.shape[2], k.shape[2]
+    """attention.block_attention: one FlexAttention call over `selection_rows` (each row one
+    query's blocks in one key tile, with its log-sum-exp), then each query's rows merged:
+    out = sum_r exp(lse_r - logsumexp_r lse_r) out_r, 0 where no row sees a key. Decode-sized
+    calls gather their blocks instead (`gathered_block_attention`)."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
-    mask = selection_block_mask(blocks, T, S, q_start, k_start, block)
-    return _run_flex(q, k, v, None, mask, scale)
+    if T <= DECODE_ROWS:
+        return gathered_block_attention(q, k, v, scale, q_start, k_start, block, blocks)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    q_tile, kv_tile, options = selection_tiles(block, grad)
+    rows = selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile)
+    q_rows = q.gather(2, rows.query[..., None].expand(-1, -1, -1, D))  # (B, H, R, D)
+    out, lse = _run_flex(q_rows, k, v, None, rows.mask, scale, lse=True, kernel_options=options)
+    n = blocks.shape[-1]
+    at = rows.pair_row.view(B, H, T * n).clamp(max=rows.rows - 1)
+    out = out.gather(2, at[..., None].expand(-1, -1, -1, D)).view(B, H, T, n, D)
+    lse = lse.gather(2, at).view(B, H, T, n).masked_fill(rows.pair_row == rows.rows, NEG_INF)
+    top = lse.amax(-1, keepdim=True)
+    w = torch.exp(lse - torch.where(top > NEG_INF, top, 0.0))  # 0 for a row that sees no key
+    w = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+    return (w.unsqueeze(-2).to(out.dtype) @ out).squeeze(-2)
 
 
 _compiled_selected = None
@@ -1562,9 +1744,57 @@ def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
     return out.view(B, H, T, D).to(v.dtype)
 
 
+_compiled_listed_kl = None
+
+
+def flex_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """attention.indexer_kl on the GPU path. The dense warm-up (keys None) fits L^I over every
+    visible key: T^2 by definition, in GPU-sized chunks (`chunked_indexer_kl`). The sparse
+    stage fits it over the n listed keys only, so it reads them by index as
+    `flex_selected_attention` does (`_listed_kl`: the main attention's logits and the
+    indexer's scores of the listed keys, compiled into indexed loads): O(T n) instead of the
+    chunked (T, S) logits masked down to n keys, which made the indexer's training step
+    quadratic in T (measured on a CPU at T = 16384: 124 GiB allocated per layer forward)."""
+    global _compiled_listed_kl
+    if keys is None:
+        return chunked_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
+    fn = _listed_kl
+    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
+            and not torch.compiler.is_compiling():
+        if _compiled_listed_kl is None:
+            _compiled_listed_kl = torch.compile(_listed_kl, dynamic=False)
+        fn = _compiled_listed_kl
+    return fn(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
+
+
+def _listed_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
+    """L^I over the listed keys: sum over queries of KL(p_t || softmax(I[t, keys])) / (B T),
+    p_t the main attention's probabilities over the same keys (no gradient), summed over
+    heads and L1-normalised; I with gradient into the indexer's q_idx, k_idx and w."""
+    B, H, T, D = q.shape
+    Hkv, d = k.shape[1], q_idx.shape[-1]
+    s = keys.clamp(min=0)  # (B, T, n)
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+    ok = (keys >= 0) & (k_start + keys <= q_pos)  # (B, T, n): listed and visible
+    some = ok.any(-1, keepdim=True)
+    with torch.no_grad():
+        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+        h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
+        k_sel = k.detach()[b, h, s[:, None]].float()  # (B, Hkv, T, n, D): indexed loads when compiled
+        logits = (q.detach().view(B, Hkv, H // Hkv, T, 1, D).float() * k_sel[:, :, None]).sum(-1) * scale
+        logits = logits.flatten(1, 2).masked_fill(~ok[:, None], NEG_INF).masked_fill(~some[:, None], 0.0)
+        p = (torch.softmax(logits, -1) * some[:, None]).mean(1)  # (B, T, n)
+    k_listed = k_idx[torch.arange(B, device=q.device).view(B, 1, 1), s].float()  # (B, T, n, d)
+    dots = (q_idx.float()[:, :, :, None, :] * k_listed[:, :, None]).sum(-1) / math.sqrt(d)  # (B, T, J, n)
+    scores = (F.relu(dots) * w.float()[..., None]).sum(2)  # (B, T, n): [DS32] eq. 1 at the listed keys
+    log_i = torch.log_softmax(scores.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), dim=-1)
+    kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
+    return kl.sum() / (B * T)
+
+
 FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
     compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
-    indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)
+    indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)

@@ -2,6 +2,8 @@
 
     python benchmarks/gpu_check.py                 # on a GPU node: ~20-40 min on one H100 (not yet measured)
     python benchmarks/gpu_check.py --tiny          # the same steps at a tiny shape (the default on a CPU)
+    python benchmarks/gpu_check.py --profile       # issue 42's profile: ~8 min on one H100, compiles included
+    python benchmarks/gpu_check.py --profile --dry_run   # the same code path at the tiny shape (seconds, any device)
 
 1. tests: the CUDA-only tests (`pytest -m cuda tests`): compiled FlexAttention's gradients
    for q, k, v against the reference, for every variant (FlexAttention has no CPU backward).
@@ -12,6 +14,14 @@
    AdamW, random tokens, train.py's own optimizer and preflight), printing tokens/s, MFU
    (flops.py) and peak memory; a configuration whose kernels fail the preflight says which
    path it fell back to, and one that fails outright keeps its error in its row.
+
+--profile (instead of 1-3, inside --budget_s, 480 s by default): for every variant (its default
+flags), at T = 4096 then 16384 (B = 4, bf16, qwen-134m heads), the attention core's first
+forward + backward (its FlexAttention compiles, after torch._dynamo.reset(): "compile s"),
+at 4096 the top kernels of one forward + backward by device time (torch.profiler; CPU time on
+a CPU) with the number of kernels launched, and each length's time over SDPA causal's in the
+same run; then training steps, compiled, as far as the budget goes. A row that the budget
+does not leave time for says so ("skipped"); every row is saved as it is measured.
 
 Everything goes to one JSON (`--out`, default gpu_check.json) and one Markdown table (the
 same name, .md) to paste into an issue, with the device, torch, CUDA and git commit. On a CPU
@@ -47,9 +57,13 @@ CONFIGS = [
     ("asga-fixed", dict(asga_gate="fixed")), ("caa", {}), ("caa-all", dict(caa_topk="all")),
     ("combiner", {}), ("nsa", {}), ("moba", {}), ("indexer", {}),
 ]
+PROFILE_CONFIGS = [(n, f) for n, f in CONFIGS if n in VARIANTS]  # --profile: each variant at its defaults
 GPU = dict(model="qwen-134m", lengths=(1024, 2048, 4096, 8192), attn_batch=4, T=1024, batch=16, steps=30)
 TINY = dict(model="tiny", lengths=(64, 128), attn_batch=2, T=64, batch=4, steps=3)
 # The tiny shape's sizes: every window, block and budget well inside T = 64.
+PROFILE = dict(GPU, lengths=(4096, 16384), steps=5, budget_s=480)
+PROFILE_TINY = dict(TINY, steps=2, budget_s=300)
+TOP_KERNELS = 10
 TINY_FLAGS = dict(window=16, dsa_threshold=32, caa_window_max=32, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=8,
                   nsa_topk=3, nsa_window=16, moba_block=8, moba_topk=3, index_head_dim=16)
 
@@ -112,33 +126,122 @@ def run_tests(device):
             "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))][:20]}
 
 
+def fwd_bwd(fn, autocast):
+    """One forward (under autocast) and backward of fn's output."""
+    def step():
+        with autocast:
+            out = fn()
+        out.float().sum().backward()
+    return step
+
+
+def timed(step, timer, runs):
+    """(median ms of `runs` steps, peak GB since the first of them)."""
+    timer.reset()
+    return statistics.median(timer.time(step) for _ in range(runs)) * 1e3, timer.peak_gb()
+
+
+def attention_inputs(shape, T, device):
+    H, D = PRESETS[shape["model"]]["n_head"], PRESETS[shape["model"]]["head_dim"]
+    d_model, B = PRESETS[shape["model"]]["d_model"], shape["attn_batch"]
+    q, k, v = (torch.randn(B, H, T, D, device=device, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(B, T, d_model, device=device)
+
+
+def attention_module(name, flags, shape, device):
+    cfg = config(name, flags, shape)
+    module = VARIANTS[cfg.attn](cfg).to(device)
+    for p in module.parameters():
+        p.data.normal_(0, 0.1)
+    return module
+
+
+def top_kernels(step, device, n=TOP_KERNELS):
+    """The n kernels of most device time in one step (torch.profiler; on a CPU, the ops of most
+    self CPU time), and how many kernels (ops) ran in all."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:  # kernel events only (an aten op's device time repeats its kernels')
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ms = [e.self_device_time_total / 1e3 for e in events]
+    else:
+        events = list(prof.key_averages())
+        ms = [e.self_cpu_time_total / 1e3 for e in events]
+    order = sorted(range(len(events)), key=lambda i: -ms[i])
+    top = [dict(name=events[i].key[:100], ms=ms[i], calls=events[i].count) for i in order[:n]]
+    return top, sum(e.count for e in events), sum(ms)
+
+
+def profile_rows(shape, device, dtype, deadline, result, save):
+    """--profile: per variant, at each length (shortest first), the attention core's first step
+    (compile s), its time over SDPA causal's, and at the first length its top kernels. A row
+    is skipped when the time left before `deadline` is under twice what its first step is
+    expected to take (its previous length's first step and runs, scaled by T^2)."""
+    timer, runs = Timer(device), 3 if shape["model"] == "tiny" else 10
+    autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
+    rows = result.setdefault("profile", [])
+    first_T = shape["lengths"][0]
+    for T in shape["lengths"]:
+        q, k, v, x = attention_inputs(shape, T, device)
+        sdpa = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), autocast)
+        sdpa()
+        sdpa_ms, _ = timed(sdpa, timer, runs)
+        for name, flags in PROFILE_CONFIGS:
+            row = dict(config=name, T=T, B=shape["attn_batch"], sdpa_ms=sdpa_ms)
+            before = next((r for r in rows if r["config"] == name and "ms" in r), None)
+            need = 30.0 if before is None else \
+                2 * (before["compile_s"] + runs * before["ms"] / 1e3 * (T / before["T"]) ** 2)
+            left = deadline - time.time()
+            if left < need:
+                row["skipped"] = shown = f"skipped: {left:.0f} s left of the budget, needs ~{need:.0f} s"
+            else:
+                try:
+                    if device.startswith("cuda"):  # each variant compiles its own kernels: an honest compile time
+                        torch._dynamo.reset()  # (on a CPU only asga's gate tile compiles, the same for every row)
+                    module = attention_module(name, flags, shape, device)
+                    step = fwd_bwd(lambda: module.attend(q, k, v, x, 0, 0), autocast)
+                    row["compile_s"] = timer.time(step)
+                    if T == first_T:
+                        row["top"], row["kernels"], row["kernel_ms"] = top_kernels(step, device)
+                    row["ms"], row["gb"] = timed(step, timer, runs)
+                    row["x_sdpa"] = row["ms"] / sdpa_ms
+                    shown = f"{row['ms']:9.2f} ms  {row['x_sdpa']:6.2f}x sdpa  first step {row['compile_s']:.1f} s"
+                    if "kernels" in row:
+                        shown += f"  {row['kernels']} kernels"
+                except Exception as e:  # noqa: BLE001 - kept in the row
+                    row["error"] = shown = first_line(e)
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+            rows.append(row)
+            save()
+            print(f"profile   {name:14s} T={T:5d} {shown}", flush=True)
+            for top in row.get("top", [])[:TOP_KERNELS]:
+                print(f"          {top['ms']:9.3f} ms {top['calls']:5d}x  {top['name']}", flush=True)
+    return rows
+
+
 def attention_rows(shape, device, dtype):
     """Each configuration's attention core against SDPA causal (flash on CUDA), fwd + bwd."""
     timer, rows, runs = Timer(device), [], 3 if shape["model"] == "tiny" else 10
-    H, D = PRESETS[shape["model"]]["n_head"], PRESETS[shape["model"]]["head_dim"]
-    d_model, B = PRESETS[shape["model"]]["d_model"], shape["attn_batch"]
+    B = shape["attn_batch"]
     autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
     for T in shape["lengths"]:
-        q, k, v = (torch.randn(B, H, T, D, device=device, requires_grad=True) for _ in range(3))
-        x = torch.randn(B, T, d_model, device=device)
+        q, k, v, x = attention_inputs(shape, T, device)
 
         def measure(fn):
-            def step():
-                with autocast:
-                    out = fn()
-                out.float().sum().backward()
+            step = fwd_bwd(fn, autocast)
             step()  # compile, warm up
-            timer.reset()
-            return statistics.median(timer.time(step) for _ in range(runs)) * 1e3, timer.peak_gb()
+            return timed(step, timer, runs)
 
         sdpa_ms, sdpa_gb = measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         for name, flags in CONFIGS:
             row = dict(config=name, T=T, B=B, sdpa_ms=sdpa_ms, sdpa_gb=sdpa_gb)
             try:
-                cfg = config(name, flags, shape)
-                module = VARIANTS[cfg.attn](cfg).to(device)
-                for p in module.parameters():
-                    p.data.normal_(0, 0.1)
+                module = attention_module(name, flags, shape, device)
                 row["ms"], row["gb"] = measure(lambda: module.attend(q, k, v, x, 0, 0))
                 row["x_sdpa"] = row["ms"] / sdpa_ms
                 shown = f"{row['ms']:9.2f} ms  {row['x_sdpa']:6.2f}x sdpa"
@@ -151,17 +254,26 @@ def attention_rows(shape, device, dtype):
     return rows
 
 
-def training_rows(shape, device, dtype, compile_model):
-    """Steps of each configuration: tokens/s (median after the first step), MFU, peak memory."""
-    timer, rows = Timer(device), []
+def training_rows(shape, device, dtype, compile_model, configs=None, deadline=None, need_s=120, rows=None,
+                  save=lambda: None):
+    """Steps of each configuration: tokens/s (median after the first step), MFU, peak memory.
+    With a deadline, a configuration starts only with need_s seconds left before it. Rows go
+    into `rows` (a new list by default), save() after each."""
+    timer, rows = Timer(device), [] if rows is None else rows
     T, B, steps = shape["T"], shape["batch"], shape["steps"]
     autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
     run = dict(device=device, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", autocast=autocast,
                ddp=False, master=True)
     tc = TrainConfig()
     name_of_device = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    for name, flags in CONFIGS:
+    for name, flags in configs or CONFIGS:
         row = dict(config=name, T=T, batch=B, steps=steps)
+        if deadline is not None and deadline - time.time() < need_s:
+            row["error"] = shown = f"skipped: {deadline - time.time():.0f} s left of the budget, needs ~{need_s} s"
+            rows.append(row)
+            save()
+            print(f"training  {name:14s} T={T:5d} {shown}", flush=True)
+            continue
         try:
             torch.manual_seed(0)
             mc = config(name, flags, shape)
@@ -170,6 +282,8 @@ def training_rows(shape, device, dtype, compile_model):
             tokens = torch.randint(0, mc.vocab_size, (B, T + 1), device=device)
             row["kernel"] = preflight(model, tokens[:2], mc, run, typed=set())
             optimizer = train.make_optimizer(model, tc)
+            if compile_model:
+                torch._dynamo.reset()  # a fresh compile per configuration (and no recompile limit reached)
             step_model = torch.compile(model) if compile_model else model
 
             def step():
@@ -197,6 +311,7 @@ def training_rows(shape, device, dtype, compile_model):
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         rows.append(row)
+        save()
         print(f"training  {name:14s} T={T:5d} {shown}", flush=True)
     return rows
 
@@ -235,6 +350,30 @@ def markdown(result):
                 cells.append("-" if r is None else r.get("error", f"{r['ms']:.2f} ({r['x_sdpa']:.2f}x)")[:60])
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("| SDPA causal | " + " | ".join(f"{by[(CONFIGS[0][0], T)]['sdpa_ms']:.2f}" for T in lengths) + " |")
+    if "profile" in result:
+        rows = result["profile"]
+        lengths = sorted({r["T"] for r in rows})
+        lines.append(f"\nattention core, forward + backward, B = {rows[0]['B']}: ms (x SDPA causal), first step s "
+                     "(compiles included)\n" if rows else "")
+        lines.append("| config | " + " | ".join(f"T={T} | first step s" for T in lengths) + " |")
+        lines.append("|---" * (2 * len(lengths) + 1) + "|")
+        by = {(r["config"], r["T"]): r for r in rows}
+        for name in dict.fromkeys(r["config"] for r in rows):
+            cells = []
+            for T in lengths:
+                r = by.get((name, T), {})
+                if "ms" in r:
+                    cells += [f"{r['ms']:.2f} ({r['x_sdpa']:.2f}x)", f"{r['compile_s']:.1f}"]
+                else:
+                    cells += [(r.get("error") or r.get("skipped") or "-")[:70], ""]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("| SDPA causal | " + " | ".join(f"{next(r['sdpa_ms'] for r in rows if r['T'] == T):.2f} | "
+                                                   for T in lengths) + " |")
+        for r in rows:
+            if r.get("top"):
+                lines.append(f"\n{r['config']}, T = {r['T']}: {r['kernels']} kernels, {r['kernel_ms']:.2f} ms in all; "
+                             f"the top {len(r['top'])}:\n")
+                lines += [f"    {t['ms']:9.3f} ms {t['calls']:5d}x  {t['name']}" for t in r["top"]]
     if "training" in result:
         lines.append("\ntraining steps\n")
         lines.append("| config | kernel | tok/s | MFU | TFLOP/s | peak GB |")
@@ -258,24 +397,31 @@ def main(argv=None):
     parser.add_argument("--lengths", help="comma-separated sequence lengths for the attention step "
                         "(default: the shape's, 1024..8192 on a GPU)")
     parser.add_argument("--steps", type=int, help="timed training steps per configuration (default: the shape's)")
+    parser.add_argument("--profile", action="store_true", help="issue 42's profile instead of the three steps: "
+                        "compile s, top kernels and time over SDPA per variant at T = 4096 and 16384, then training")
+    parser.add_argument("--dry_run", action="store_true", help="--profile at the tiny shape (any device, seconds)")
+    parser.add_argument("--budget_s", type=float, help="--profile's time budget in seconds (default 480 on a GPU)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tiny = args.tiny or device == "cpu"
-    shape = dict(TINY if tiny else GPU)
+    tiny = args.tiny or args.dry_run or device == "cpu"
+    profiling = args.profile or args.dry_run
+    shape = dict((PROFILE_TINY if tiny else PROFILE) if profiling else (TINY if tiny else GPU))
     if args.lengths:
         shape["lengths"] = tuple(int(t) for t in args.lengths.split(","))
     if args.steps:
         shape["steps"] = args.steps
-    global CONFIGS
+    global CONFIGS, PROFILE_CONFIGS
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - {n for n, _ in CONFIGS}
         if unknown:
             sys.exit(f"error: unknown --only {', '.join(sorted(unknown))}; valid: {', '.join(n for n, _ in CONFIGS)}")
         CONFIGS = [c for c in CONFIGS if c[0] in wanted]
+        PROFILE_CONFIGS = [c for c in CONFIGS if c[0] in wanted]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     skip = set(filter(None, args.skip.split(",")))
-    result = dict(environment=environment(device), shape="tiny" if tiny else "qwen-134m", dtype=str(dtype))
+    result = dict(environment=environment(device), shape="tiny" if tiny else "qwen-134m", dtype=str(dtype),
+                  mode="profile" if profiling else "check")
     print(f"gpu_check on {result['environment'].get('device_name', device)}, shape {result['shape']}, {dtype}",
           flush=True)
     t0 = time.time()
@@ -289,6 +435,14 @@ def main(argv=None):
         with open(md, "w") as f:
             f.write(markdown(result))
 
+    if profiling:
+        deadline = t0 + (shape["budget_s"] if args.budget_s is None else args.budget_s)
+        if "attention" not in skip:
+            profile_rows(shape, device, dtype, deadline, result, save)
+        if "training" not in skip:
+            training_rows(shape, device, dtype, compile_model=device == "cuda", configs=PROFILE_CONFIGS,
+                          deadline=deadline, rows=result.setdefault("training", []), save=save)
+        skip |= {"tests", "attention", "training"}
     if "tests" not in skip:
         result["tests"] = run_tests(device)
         save()
@@ -300,7 +454,8 @@ def main(argv=None):
     save()
     print("\n" + markdown(result))
     print(f"wrote {args.out} and {md} ({result['seconds']:.0f} s); paste the .md into an issue", flush=True)
-    failed = [r["config"] for r in result.get("training", []) + result.get("attention", []) if "error" in r]
+    failed = [r["config"] for r in result.get("training", []) + result.get("attention", []) + result.get("profile", [])
+              if "error" in r and not r["error"].startswith("skipped")]
     return 1 if failed or result.get("tests", {}).get("failed") else 0
 
 

@@ -302,7 +302,7 @@ def brute_selection(model, idx, layer):
     N, H, T, _ = q.shape
     out = {}
     if model.cfg.attn == "indexer":
-        scores = attn.index_scores(x, 0, 0)  # (N, T, S)
+        scores = attention.lightning_scores(*attn.indexer(x, 0), 0, 0)  # (N, T, S)
         for n in range(N):
             for t in range(T):
                 ranked = sorted(range(t + 1), key=lambda s: (scores[n, t, s].item(), s), reverse=True)

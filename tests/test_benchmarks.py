@@ -105,3 +105,48 @@ def test_train_step_ab_runs_each_checkouts_own_code(tmp_path):
     samples = json.loads(out.read_text())["samples"]
     assert set(samples) == {f"{c}/local/{o}" for c in "ab" for o in ("full", "local")}
     assert all(len(s) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in s) for s in samples.values())
+
+
+def test_gpu_check_profile_dry_run(tmp_path):
+    """benchmarks/gpu_check.py --profile (issue 42's profile, ~8 minutes on an H100) runs end to end
+    at the tiny shape with --dry_run: per variant, the first step's seconds, the top kernels
+    (ops on a CPU) of one forward + backward at the first length, the time over SDPA's at both
+    lengths, then training steps; a budget that leaves no time skips rows and says so. (asga
+    is left out here: its CPU gate tile compiles for most of a minute.)"""
+    names = ["full", "local", "dsa", "caa", "combiner", "nsa", "moba", "indexer"]
+    out = tmp_path / "profile.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--profile", "--dry_run",
+                        f"--only={','.join(names)}", f"--out={out}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+    assert result["mode"] == "profile" and "attention" not in result and "tests" not in result
+    assert {n for n, _ in gpu_check.PROFILE_CONFIGS} == set(attention.VARIANTS)  # every variant, at its defaults
+    rows = result["profile"]
+    lengths = gpu_check.PROFILE_TINY["lengths"]
+    assert [(r["config"], r["T"]) for r in rows] == [(n, T) for T in lengths for n in names]
+    for row in rows:
+        assert row["ms"] > 0 and row["compile_s"] > 0 and row["x_sdpa"] == pytest.approx(row["ms"] / row["sdpa_ms"])
+        if row["T"] == lengths[0]:
+            assert 0 < len(row["top"]) <= gpu_check.TOP_KERNELS and row["kernels"] >= len(row["top"])
+            assert all(t["ms"] >= 0 and t["calls"] >= 1 and t["name"] for t in row["top"])
+            assert [t["ms"] for t in row["top"]] == sorted((t["ms"] for t in row["top"]), reverse=True)
+        else:
+            assert "top" not in row
+    assert [row["config"] for row in result["training"]] == names
+    assert all(row["tok_s"] > 0 for row in result["training"])
+    md = (tmp_path / "profile.md").read_text()
+    assert all(f"| {n} |" in md for n in names) and "first step s" in md and "the top" in md
+
+    out = tmp_path / "none.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--budget_s=0",
+                        "--only=full,nsa", f"--out={out}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert all(row["skipped"].startswith("skipped") and "ms" not in row for row in result["profile"])
+    assert all(row["error"].startswith("skipped") for row in result["training"])
+    assert "skipped" in (tmp_path / "none.md").read_text()

@@ -60,6 +60,11 @@ def run(module, kernel, q, k, v, x, q_start=0):
         module.cfg = cfg
 
 
+def index_scores(module, x):
+    """(B, T, T) float32: the indexer's scores I of every query of x among its keys ([DS32] eq. 1)."""
+    return attention.lightning_scores(*module.indexer(x.detach(), 0), 0, 0)
+
+
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-2)).item()
 
@@ -147,7 +152,7 @@ def test_scores_equal_the_loop():
     module = make()
     x = inputs(module, 13, B=2)[3]
     with torch.no_grad():
-        got = module.index_scores(x, 0, 0)
+        got = index_scores(module, x)
     want = scores_loop(module, x)
     assert got.shape == (2, 13, 13)
     assert torch.equal(got.isinf(), want.isinf())
@@ -155,11 +160,13 @@ def test_scores_equal_the_loop():
 
 
 def test_scores_of_the_last_queries_only():
-    """index_scores(x, q_start, k_start): the queries are the last T of x's positions."""
+    """lightning_scores of the last queries (q_start > k_start) are the last rows of all of them."""
     module = make()
     x = inputs(module, 13)[3]
     with torch.no_grad():
-        assert torch.equal(module.index_scores(x, 9, 0), module.index_scores(x, 0, 0)[:, 9:])
+        q_idx, k_idx, w = module.indexer(x, 0)
+        last = attention.lightning_scores(q_idx[:, 9:], k_idx, w[:, 9:], 9, 0)
+        assert torch.equal(last, attention.lightning_scores(q_idx, k_idx, w, 0, 0)[:, 9:])
 
 
 @pytest.mark.parametrize("topk", [1, 4, 20])
@@ -172,7 +179,7 @@ def test_selection_and_attention_equal_the_loops(topk, monkeypatch):
     q, k, v, x = inputs(module, 17, B=2)
     monkeypatch.setattr(kernels, "INDEX_SCORES", 2 * 17 * 5)  # 5 queries a chunk
     with torch.no_grad():
-        scores = module.index_scores(x, 0, 0)
+        scores = index_scores(module, x)
         assert (scores == 0).float().mean() > 0.2  # ties are frequent
         chosen = selection_loop(scores, topk)
         for select in (attention.indexer_topk, kernels.chunked_indexer_topk):
@@ -217,7 +224,7 @@ def test_index_topk_defaults_to_the_window():
 def test_kl_equals_the_hand_computation_in_both_stages():
     module = make(index_topk=4).train()
     q, k, v, x = inputs(module, 11, B=2)
-    scores = module.index_scores(x, 0, 0).detach()
+    scores = index_scores(module, x).detach()
     for dense in (True, False):
         module.dense_warmup = dense
         run(module, "ref", q, k, v, x)
@@ -243,11 +250,48 @@ def test_kl_in_chunks_equals_the_reference(dense, monkeypatch):
     q_idx, k_idx, w = (t.detach().requires_grad_() for t in module.indexer(x, 0))
     q_start = 11  # the last 19 positions' queries
     keys = None if dense else attention.indexer_topk(q_idx[:, q_start:], k_idx, w[:, q_start:], q_start, 0, 4)
+    fns = (attention.indexer_kl, kernels.chunked_indexer_kl, kernels.FLEX.indexer_kl)
     losses = [fn(q[:, :, q_start:], k, module.scale, q_idx[:, q_start:], k_idx, w[:, q_start:], q_start, 0, keys)
-              for fn in (attention.indexer_kl, kernels.chunked_indexer_kl)]
-    assert abs(losses[1].item() - losses[0].item()) < 1e-6 * losses[0].item()
-    for a, b in zip(*(torch.autograd.grad(loss, (q_idx, k_idx, w)) for loss in losses)):
-        assert rel(a, b) < 1e-5
+              for fn in fns]
+    grads = [torch.autograd.grad(loss, (q_idx, k_idx, w)) for loss in losses]
+    for fn, loss, grad in zip(fns[1:], losses[1:], grads[1:]):
+        assert abs(loss.item() - losses[0].item()) < 1e-6 * losses[0].item(), fn.__name__
+        for a, b in zip(grad, grads[0]):
+            assert rel(a, b) < 1e-5, fn.__name__
+
+
+def test_flex_sparse_kl_reads_only_the_listed_keys():
+    """The GPU path's sparse-stage L^I (kernels._listed_kl), compiled by inductor: the loss
+    and its gradients into the indexer's queries, keys and weights equal the reference's, and
+    the generated forward and backward code allocate nothing of T x S elements (the chunked
+    form's masked (T, S) logits) nor of T x n x d (gathered indexer keys)."""
+    from torch._inductor.utils import run_and_get_code
+    import re
+
+    module = make(index_topk=24, index_heads=2, index_head_dim=16)
+    T, q_start = 96, 8
+    q, k, v, x = inputs(module, T + q_start, B=1)
+    q_idx, k_idx, w = (t.detach().requires_grad_() for t in module.indexer(x, 0))
+    q, q_idx, w = q[:, :, q_start:], q_idx[:, q_start:], w[:, q_start:]
+    keys = attention.indexer_topk(q_idx, k_idx, w, q_start, 0, 24)
+    S, n, d = k.shape[2], keys.shape[-1], q_idx.shape[-1]
+    ref = attention.indexer_kl(q, k, module.scale, q_idx, k_idx, w, q_start, 0, keys)
+    ref_grads = torch.autograd.grad(ref, (q_idx, k_idx, w))
+    torch._dynamo.reset()
+    fn = torch.compile(kernels._listed_kl, dynamic=False)
+
+    def forward_backward():
+        loss = fn(q, k, module.scale, q_idx, k_idx, w, q_start, 0, keys)
+        return loss, torch.autograd.grad(loss, (q_idx, k_idx, w))
+
+    (loss, grads), codes = run_and_get_code(forward_backward)
+    assert abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    for a, b in zip(grads, ref_grads):
+        assert rel(a, b) < 1e-4
+    sizes = [math.prod(int(e) for e in shape.split(",") if e.strip())
+             for code in codes for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+    assert len(codes) >= 2 and sizes
+    assert max(sizes) < min(T * S, T * n * d), (max(sizes), T * S, T * n * d)
 
 
 @pytest.mark.parametrize("dense", [True, False])
@@ -335,6 +379,27 @@ def test_selected_attention_paths_equal_the_reference(q_start):
     assert rel(flex, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(flex, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-4
+
+
+def test_selected_attention_ignores_listed_future_keys():
+    """selected_attention's rule "only visible keys count": a list that names future keys
+    (which top_keys never makes) gives, on every path, what the same list without them gives;
+    a query listing only future keys gets 0."""
+    g = torch.Generator().manual_seed(8)
+    B, H, Hkv, T, D, n, q_start = 1, 4, 2, 20, 8, 5, 3
+    S = q_start + T
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    keys = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(T)])[None]  # distinct, as top_keys lists
+    keys[:, 0, 1:] = -1
+    keys[:, 0, 0] = S - 1  # the first query lists only a future key
+    visible = keys <= q_start + torch.arange(T)[:, None]
+    assert (~visible).any() and visible.any()
+    clean = keys.masked_fill(~visible, -1)
+    for ops in (attention.REFERENCE, kernels.BLOCKWISE, kernels.FLEX):
+        out = ops.selected_attention(q, k, v, 0.3, q_start, 0, keys)
+        assert rel(out, attention.selected_attention(q, k, v, 0.3, q_start, 0, clean)) < 1e-6, ops.name
+        assert out[:, :, 0].abs().max() == 0, ops.name
 
 
 def test_flex_selected_attention_compiled_keeps_no_gathered_keys():

@@ -575,10 +575,41 @@ def test_bf16_flex_pair_gate_gradients(fresh_dynamo):
     assert errors["grad w1_k"] <= 2 * errors["grad w1_q"], (errors["grad w1_k"] / BF16_U, errors["grad w1_q"] / BF16_U)
 
 
+@pytest.mark.parametrize("q_start,k_start", [(0, 0), (6, 2)])
+def test_caa_topk_keeps_every_key_tied_with_the_kth(q_start, k_start):
+    """The tie rule of caa's top-k (attention.topk_mask): every visible key scoring at least the
+    k_i-th highest is kept, so a group of keys tied at the k_i-th score is kept whole. Keys are
+    one key times 1, 2 or 4 (exact ties, groups far wider than k_max + 1, so the blockwise
+    path's buffer must widen), and every path equals a loop that keeps the tie group whole."""
+    B, H, Hkv, T, D = 1, 2, 1, 40, 8
+    S = q_start + T - k_start
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    k = torch.randn(D, generator=g, dtype=torch.float64) * torch.tensor([1.0, 2.0, 4.0])[
+        torch.randint(0, 3, (S,), generator=g)][:, None]
+    k, v = k.expand(B, Hkv, S, D), torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
+    pos = torch.arange(q_start, q_start + T)
+    k_per_query, k_max = torch.ceil(torch.sqrt(pos.double() + 1)).long(), math.isqrt(q_start + T - 1) + 1
+    want, wider = torch.zeros(B, H, T, D, dtype=torch.float64), 0
+    for h in range(H):
+        for t in range(T):
+            visible = range(q_start + t - k_start + 1)
+            score = {s: float(q[0, h, t] @ k[0, 0, s]) * D ** -0.5 for s in visible}
+            kth = sorted(score.values(), reverse=True)[min(int(k_per_query[t]), len(score)) - 1]
+            kept = [s for s in visible if score[s] >= kth]
+            wider += len(kept) > k_per_query[t]
+            p = torch.softmax(torch.tensor([score[s] for s in kept], dtype=torch.float64), 0)
+            want[0, h, t] = p @ v[0, 0, kept]
+    assert wider > T  # most rows keep more than k_i keys: the rule is exercised
+    for op in (attention.REFERENCE, kernels.BLOCKWISE, kernels.FLEX):
+        got = op.topk_attention(q.float(), k.float(), v.float(), D ** -0.5, q_start, k_start, k_per_query, k_max)
+        assert (got.double() - want).abs().max() < 1e-5, op.name
+
+
 def test_bf16_caa_window_edge_is_not_rounded():
-    """Under bf16 autocast, caa's width w = W + W' sigmoid(l) (the window edge its soft
+    """Under bf16 autocast, caa's width w = W + (W_max - W) sigmoid(l) (the window edge its soft
     boundary's score_mod reads) differs from float32's by no more than bf16's rounding of the
-    logit l explains, |dw| <= W'/4 |dl| (sigmoid' <= 1/4), and not by a rounding of w itself:
+    logit l explains, |dw| <= (W_max - W)/4 |dl| (sigmoid' <= 1/4), and not by a rounding of w itself:
     at W = 256 .. 512 a bf16 w moves in steps of 2 tokens."""
     module = make_module("caa", n_head=2, n_kv_head=1, window=256, caa_window_max=512)
     module.record_gates(True)

@@ -55,7 +55,8 @@ SMALL = dict(n_head=2, n_kv_head=1, head_dim=16, d_model=32, window=8, caa_windo
              dsa_threshold=10, asga_hidden=3, caa_hidden=4)
 T = 24
 # Every configuration whose FLEX path calls FlexAttention ("full" and dsa without a window
-# take SDPA).
+# take SDPA; the indexer's selected attention is a compiled gather, not FlexAttention:
+# tests/test_indexer.py checks what inductor generates for it).
 CONFIGS = [
     ("local", {}),
     ("dsa", dict(dsa_window="adaptive")),
@@ -68,7 +69,6 @@ CONFIGS = [
     ("combiner", {}),
     ("nsa", dict(nsa_block=8, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_window=8, nsa_topk=3)),
     ("moba", dict(moba_block=8, moba_topk=2)),
-    ("indexer", dict(index_topk=4)),
 ]
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
 CAPTURING = [c for c in CONFIGS if c[0] in ("asga", "caa")]  # score_mods that capture parameters
@@ -134,21 +134,23 @@ def flex_calls(attn, flags_items):
     backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm), bw_compiler=capture_backward,
                            partition_fn=partition_fn, decompositions=select_decomp_table())
 
-    def traced_flex(q, k, v, score_mod, block_mask, scale):
+    def traced_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=None):
         def call(q, k, v):
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                  enable_gqa=q.shape[1] != k.shape[1])
+            out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                 enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options,
+                                 return_aux=nn_flex.AuxRequest(lse=True) if lse else None)
+            return (out[0], out[1].lse) if lse else out
         torch._dynamo.reset()
         qc, kc, vc = (t.detach().requires_grad_(True) for t in (q, k, v))
         out = torch.compile(call, backend=backend, fullgraph=True)(qc, kc, vc)
-        try:
-            out.sum().backward()  # hands the backward graph to capture_backward, which stops it
+        try:  # the lse's gradient (a merge by log-sum-exp) enters the backward kernel too
+            sum(o.sum() for o in (out if lse else (out,))).backward()  # capture_backward stops it
         except _Stop:
             pass
         except Exception as e:
             if not any(isinstance(x, _Stop) for x in (e, e.__cause__, e.__context__)):
                 raise
-        return out.detach()
+        return (out[0].detach(), out[1].detach()) if lse else out.detach()
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, cfg.n_head, T, cfg.head_dim, generator=g)

@@ -17,6 +17,7 @@ import torch
 import attention
 import kernels
 from model import PRESETS, Model, ModelConfig
+from test_flex_selection import dense_flex
 
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 # Small sizes: T = 45 spans 11 selection blocks of 4 (nsa) and 5 blocks of 8 (moba).
@@ -178,8 +179,9 @@ def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
 @pytest.mark.parametrize("ops", ["BLOCKWISE", "FLEX"])
 @pytest.mark.parametrize("q_start", [0, 9])
 def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q_start):
-    """The ops alone, a few queries at a time (FLEX's dense chunks checkpointed, BLOCKWISE's
-    `CompressedAttention`), after earlier queries too: the compressed branch's output and
+    """The ops alone (BLOCKWISE's `CompressedAttention` a few queries at a time; FLEX's one
+    FlexAttention call, its gradients through `dense_flex`, its output through eager
+    FlexAttention too), after earlier queries too: the compressed branch's output and
     the gradients of q and the compressed keys and values, and the block scores computed
     from the same probabilities chunk by chunk, equal to attention.compressed_attention's
     and attention.block_scores' over all queries at once."""
@@ -194,6 +196,10 @@ def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q
     ref = attention.compressed_attention(q, k, v, 0.3, q_start, length, stride)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
     fast = getattr(kernels, ops)
+    if ops == "FLEX":  # eager FlexAttention (no CPU backward for q, k, v), then the dense stand-in
+        eager = fast.compressed_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, length, stride)
+        assert rel(eager, ref) < 1e-5
+        monkeypatch.setattr(kernels, "_run_flex", dense_flex)
     out = fast.compressed_attention(q, k, v, 0.3, q_start, length, stride)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
@@ -262,6 +268,32 @@ def test_moba_selection_is_a_brute_force_sort():
                 expected = {own} | set(order[:2])
                 got = {int(j) for j in blocks[b, h, t] if j >= 0}
                 assert got == expected, (b, h, t, got, expected)
+
+
+def test_moba_ties_go_to_the_most_recent_blocks():
+    """The tie rule of `top_blocks`: with one key repeated, every block mean and every score is
+    equal, and each query reads its own block and the k - 1 blocks just before it (a window)."""
+    module = make("moba")
+    q, k, _, _ = inputs(module, 45, B=2)
+    k = k[:, :, :1].expand_as(k)
+    blocks = attention.moba_select(q, k, 0, 8, 3)  # (B, H, T, 3)
+    for t in range(45):
+        want = {j for j in (t // 8, t // 8 - 1, t // 8 - 2) if j >= 0}
+        for row in blocks[:, :, t].reshape(-1, 3).tolist():
+            assert {j for j in row if j >= 0} == want, (t, row)
+
+
+def test_nsa_ties_go_to_the_most_recent_blocks():
+    """The tie rule of `top_blocks` in nsa's choice (eqs. 10-12): with every block score equal,
+    a query reads the 3 forced blocks (the first, its own, the one before) and the most recent
+    others, n in all."""
+    scores = torch.zeros(1, 4, 45, 6)  # (B, H, T, J): blocks of 8, 6 up to the last query's own
+    blocks = attention.nsa_top_blocks(scores, 0, 8, 5, 2)
+    for t in range(45):
+        own = t // 8
+        want = {0, own, own - 1, own - 2, own - 3} if own >= 4 else set(range(own + 1))
+        for row in blocks[:, :, t].reshape(-1, 5).tolist():
+            assert {j for j in row if j >= 0} == want, (t, row)
 
 
 def test_nsa_forced_blocks_and_selection_size():
@@ -366,9 +398,10 @@ def test_block_attention_with_no_visible_key_gives_zero():
 
 @pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp")),
                                         ("nsa", dict(nsa_branches="cmp,win")), ("moba", {})])
-def test_fused_and_flex_equal_the_reference(attn, flags):
-    """Whole variant, T = 45 and 130: fused outputs and gradients of q, k, v, x and every
-    parameter; flex outputs and the gradients of x and the parameters."""
+def test_fused_and_flex_equal_the_reference(monkeypatch, attn, flags):
+    """Whole variant, T = 45 and 130: fused and flex outputs and gradients of q, k, v, x and
+    every parameter; flex's output through eager FlexAttention (no CPU backward for q, k,
+    v), its gradients through `dense_flex` in its place."""
     module = make(attn, **flags)
     for T in (45, 130):
         q, k, v, x = (t.requires_grad_() for t in inputs(module, T, B=2))
@@ -376,16 +409,16 @@ def test_fused_and_flex_equal_the_reference(attn, flags):
         cot = torch.randn(2, 4, T, 8)
         ref = run(module, "ref", q, k, v, x)
         ref_grads = torch.autograd.grad(ref, list(named.values()), cot, allow_unused=True)
+        with torch.no_grad():
+            assert rel(run(module, "flex", q.detach(), k.detach(), v.detach(), x), ref) < 1e-5, ("eager flex", T)
         for kernel in ("fused", "flex"):
-            qkv = (q, k, v) if kernel == "fused" else (q.detach(), k.detach(), v.detach())
-            out = run(module, kernel, *qkv, x)
-            assert rel(out, ref) < 1e-5, (kernel, T)
-            if not out.requires_grad:  # moba on flex: no parameters, nothing to differentiate
-                continue
-            grads = torch.autograd.grad(out, list(named.values()), cot, allow_unused=True)
+            with monkeypatch.context() as m:
+                if kernel == "flex":
+                    m.setattr(kernels, "_run_flex", dense_flex)
+                out = run(module, kernel, q, k, v, x)
+                assert rel(out, ref) < 1e-5, (kernel, T)
+                grads = torch.autograd.grad(out, list(named.values()), cot, allow_unused=True)
             for name, a, b in zip(named, grads, ref_grads):
-                if kernel == "flex" and name in "qkv":
-                    continue
                 if b is None or b.abs().max() == 0:
                     assert a is None or a.abs().max() < 1e-6, (kernel, name)
                 elif name == "compress_mlp.k.2.bias":  # shifts every compressed key of a query's

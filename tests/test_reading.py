@@ -1,0 +1,95 @@
+"""What a reader of attention.py must read to learn what a selecting variant computes, counted
+one reproducible way (`reading_lines`), and held under the budget issue 43 set: nsa <= 150,
+indexer <= 150, moba <= 80. `python tests/test_reading.py [PATH]` prints the counts for any
+version of attention.py (e.g. one from `git show main:attention.py > /tmp/a.py`).
+
+The rule: the non-blank lines from the variant's `# ----` section header up to the next
+header, less each block that starts at the marker comment `BOOKKEEPING` (what only the plan,
+the FLOP count, the budget check, conversion and analysis read) and runs to the end of its
+class, plus the non-blank lines of every top-level function or class the counted lines
+call (`name(` or `.name(`) that another variant's section or a shared section (`# ---- shared
+...`) defines. Not counted: the conventions (masks, RoPE, `expand_kv`), the `full` section
+(the baseline `attention`, which every reader reads first) and the helpers outside the methods.
+"""
+import re
+import sys
+from pathlib import Path
+
+BOOKKEEPING = "# -- not the method"
+HEADER = re.compile(r"^# -{20,} (\S+)")
+NOT_A_METHOD = {"settings", "conventions", "full", "outside", "which", "see"}
+
+
+def sections(lines):
+    """{name: (first, end)} line ranges of the `# ----` sections (name: the header's first word)."""
+    starts = [(i, m.group(1)) for i, line in enumerate(lines) if (m := HEADER.match(line))]
+    return {name: (i, end) for (i, name), (end, _) in zip(starts, starts[1:] + [(len(lines), None)])}
+
+
+def method_lines(lines, first, end):
+    """The non-blank lines of lines[first:end], less the bookkeeping blocks."""
+    out, skipping = [], False
+    for line in lines[first:end]:
+        if line.strip().startswith(BOOKKEEPING):
+            skipping = True
+        elif skipping and line and not line[0].isspace():
+            skipping = False  # the class ended
+        if not skipping and line.strip():
+            out.append(line)
+    return out
+
+
+def definitions(lines, first, end):
+    """{name: its non-blank lines} of the top-level defs and classes in lines[first:end]."""
+    defs, name = {}, None
+    for line in lines[first:end]:
+        m = re.match(r"^(?:def|class) (\w+)", line)
+        if m:
+            name = m.group(1)
+            defs[name] = []
+        elif line and not line[0].isspace() and not line.startswith("@"):
+            name = None
+        if name and line.strip():
+            defs[name].append(line)
+    return defs
+
+
+def reading_lines(variant, path=Path(__file__).resolve().parent.parent / "attention.py"):
+    """(total, section, {helper: lines}) for `variant`, by the rule in the module docstring."""
+    lines = Path(path).read_text().splitlines()
+    secs = sections(lines)
+    own = method_lines(lines, *secs[variant])
+    helpers = {}
+    for name, (first, end) in secs.items():
+        if name != variant and (name == "shared" or name not in NOT_A_METHOD):
+            for fn, body in definitions(lines, first, end).items():
+                if any(re.search(rf"(?<![\w])\.?{fn}\(", line) for line in own):
+                    helpers[fn] = len(body)
+    return len(own) + sum(helpers.values()), len(own), helpers
+
+
+BUDGET = {"nsa": 150, "indexer": 150, "moba": 80}
+
+
+def test_selecting_variants_read_within_budget():
+    for variant, budget in BUDGET.items():
+        total, section, helpers = reading_lines(variant)
+        assert total <= budget, (variant, total, section, helpers)
+
+
+def test_the_count_sees_bookkeeping_and_helpers(tmp_path):
+    """The rule on a toy file: the marked block is skipped, a shared helper is added."""
+    toy = ["# " + "-" * 30 + " shared by a and b", "def helper(x):", "    return x", "",
+           "# " + "-" * 30 + " a", "class A:", "    def attend(self):", "        return helper(1)",
+           "    " + BOOKKEEPING + " plan", "    def describe(self):", "        return 1", "",
+           "# " + "-" * 30 + " b", "x = 1"]
+    path = tmp_path / "toy.py"
+    path.write_text("\n".join(toy))
+    assert reading_lines("a", path) == (4 + 2, 4, {"helper": 2})
+
+
+if __name__ == "__main__":
+    where = sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "attention.py"
+    for variant in ("caa", "nsa", "moba", "indexer"):
+        total, section, helpers = reading_lines(variant, where)
+        print(f"{variant:8s} {total:4d} = section {section} + helpers {helpers}")
