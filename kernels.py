@@ -1229,13 +1229,26 @@ BLOCKWISE = Ops(
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
 
-_compiled_flex = None
-COMPILE_FLEX = None  # compile FlexAttention: None = on CUDA only; True/False forces it (tests)
+COMPILE_FLEX = None  # compile FlexAttention and the gathers: None = on CUDA only; True/False forces it (tests)
 # Calls with at most this many query rows (decoding: one token, or a short chunk, against a
 # cache that grows every step) run FlexAttention uncompiled: each new length would be a new
 # compile (dynamo gives up after 8), and uncompiled, a few rows materialize only their own
 # (rows, S) scores.
 DECODE_ROWS = 16
+_compiled = {}  # function -> its compiled form, made on first use by `compile_fn`
+compile_fn = functools.partial(torch.compile, dynamic=False)
+
+
+def compiled_on_gpu(fn, q):
+    """fn compiled where the GPU path compiles (CUDA, or COMPILE_FLEX forced) for calls of
+    more than DECODE_ROWS query rows outside an outer torch.compile (inside one, the plain
+    function is traced into that graph); fn itself elsewhere."""
+    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
+            and not torch.compiler.is_compiling():
+        if fn not in _compiled:
+            _compiled[fn] = compile_fn(fn)
+        return _compiled[fn]
+    return fn
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask
 MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bounded
 
@@ -1247,13 +1260,7 @@ def _run_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=N
     or in a score_mod's `kernel_options` attribute (`PAIR_GATE_TILES`). lse: also return each
     row's log-sum-exp (B, H, T) float32, natural log, -inf for a row that sees no key (and
     whose output is 0); it differentiates."""
-    global _compiled_flex
-    fn = flex_attention
-    compiled = q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX
-    if compiled and q.shape[2] > DECODE_ROWS and not torch.compiler.is_compiling():
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
+    fn = compiled_on_gpu(flex_attention, q)
     options = kernel_options or getattr(score_mod, "kernel_options", None)
     aux = dict(return_aux=AuxRequest(lse=True)) if lse else {}
     out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
@@ -1698,9 +1705,6 @@ def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     return (w.unsqueeze(-2).to(out.dtype) @ out).squeeze(-2)
 
 
-_compiled_selected = None
-
-
 def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
     """attention.selected_attention at a cost linear in T x n: each query's n listed keys
     are read by index, never through a mask over (T, S). Why not FlexAttention: a BlockMask
@@ -1714,15 +1718,8 @@ def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
     the (H, T, n) scores [DS32]'s own kernel keeps. The query heads of a key head read the
     same gathered keys (the selection is per query). Eager (CPU tests, decode-sized calls)
     it materialises the gathered keys: correct, not fast."""
-    global _compiled_selected
-    fn = _gathered_attention
-    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
-            and not torch.compiler.is_compiling():
-        if _compiled_selected is None:
-            _compiled_selected = torch.compile(_gathered_attention, dynamic=False)
-        fn = _compiled_selected
     q, k, v = _same_dtype(q, k, v)
-    return fn(q, k, v, scale, q_start, k_start, keys)
+    return compiled_on_gpu(_gathered_attention, q)(q, k, v, scale, q_start, k_start, keys)
 
 
 def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
@@ -1744,9 +1741,6 @@ def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
     return out.view(B, H, T, D).to(v.dtype)
 
 
-_compiled_listed_kl = None
-
-
 def flex_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     """attention.indexer_kl on the GPU path. The dense warm-up (keys None) fits L^I over every
     visible key: T^2 by definition, in GPU-sized chunks (`chunked_indexer_kl`). The sparse
@@ -1755,16 +1749,9 @@ def flex_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     indexer's scores of the listed keys, compiled into indexed loads): O(T n) instead of the
     chunked (T, S) logits masked down to n keys, which made the indexer's training step
     quadratic in T (measured on a CPU at T = 16384: 124 GiB allocated per layer forward)."""
-    global _compiled_listed_kl
     if keys is None:
         return chunked_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
-    fn = _listed_kl
-    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
-            and not torch.compiler.is_compiling():
-        if _compiled_listed_kl is None:
-            _compiled_listed_kl = torch.compile(_listed_kl, dynamic=False)
-        fn = _compiled_listed_kl
-    return fn(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
+    return compiled_on_gpu(_listed_kl, q)(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)
 
 
 def _listed_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import CONFIGS, GRAD_CLIP, LR, SHAPES, WEIGHT_DECAY, train_step  # noqa: E402
+from train_step import GRAD_CLIP, LR, SHAPES, WEIGHT_DECAY, configs, train_step  # noqa: E402
 from config import keep_freed_memory  # noqa: E402 (train_step put the checkout on sys.path)
 
 OWN = ("model", "attention", "kernels")  # the modules each checkout brings
@@ -82,7 +82,8 @@ def main(argv=None):
     trees = [c.split("=", 1) for c in args.checkouts]
     labels = [label for label, _ in trees]
     names = args.only.split(",")
-    flags = {name: (attn, f) for name, attn, f in CONFIGS}
+    configs(names)  # an unknown name: one clear error
+    flags = {name: (attn, f) for name, attn, f in configs()}  # the variants CONFIGS does not name too (nsa, ...)
     models = {label: load(label, root) for label, root in trees}
     built = {(label, n): build(models[label], args.shape, *flags[n]) for label in labels for n in ["full"] + names}
     started = time.time()

@@ -208,10 +208,11 @@ def test_captured_gradients_are_per_row(attn, flags):
 
 @pytest.mark.parametrize("attn", sorted(VARIANTS))
 def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
-    """With the compiled FlexAttention path forced on (as on CUDA), a prompt and then 20
-    cached decoding steps compile at most twice: decode-sized calls (kernels.DECODE_ROWS)
-    run uncompiled, instead of one compile per cache length (dynamo stops at 8). The compiles
-    are counted by dynamo with a counting backend (no code generated)."""
+    """With the compiled GPU path forced on (as on CUDA: FlexAttention, and the indexer's
+    gathered attention), a prompt and then 20 cached decoding steps compile at most twice:
+    decode-sized calls (kernels.DECODE_ROWS) run uncompiled, instead of one compile per
+    cache length (dynamo stops at 8). The compiles are counted by dynamo with a counting
+    backend (no code generated); the indexer's prompt is seen compiling its gather."""
     from torch._dynamo.testing import CompileCounter
 
     import sample
@@ -220,7 +221,8 @@ def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
     counter = CompileCounter()
     torch._dynamo.reset()
     monkeypatch.setattr(kernels, "COMPILE_FLEX", True)
-    monkeypatch.setattr(kernels, "_compiled_flex", torch.compile(flex_attention, backend=counter, dynamic=False))
+    monkeypatch.setattr(kernels, "_compiled", {})  # FlexAttention and the indexer's gathers, compiled by the counter
+    monkeypatch.setattr(kernels, "compile_fn", lambda fn: torch.compile(fn, backend=counter, dynamic=False))
     cfg = ModelConfig(**dict(PRESETS["tiny"], attn=attn, kernel="flex", **SMALL))
     torch.manual_seed(0)
     model = Model(cfg).eval()
@@ -229,6 +231,8 @@ def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
         sample.generate(model, prompt, 20, temperature=0.0)
     torch._dynamo.reset()
     assert counter.frame_count <= 2, f"{attn}: {counter.frame_count} compiles over 20 decoding steps"
+    if attn == "indexer":
+        assert counter.frame_count >= 1, "the indexer's gathered attention was not compiled for the prompt"
 
 
 def test_pair_gate_kernels_get_small_tiles(monkeypatch):
