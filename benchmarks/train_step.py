@@ -104,12 +104,15 @@ def configs(only=None):
     return rows
 
 
-def build(shape, attn, flags, seed=0):
-    """(model, optimizer, x, y): AdamW with decay on matrices, as train.py's make_optimizer."""
+def build(shape, attn, flags, seed=0, models=None):
+    """(model, optimizer, x, y): AdamW with decay on matrices, as train.py's make_optimizer.
+    models: the model module to build from (train_step_ab.py passes another checkout's)."""
     s = SHAPES[shape]
-    cfg = ModelConfig(**{**PRESETS[s["model"]], **s["overrides"], "attn": attn, "kernel": "fused", **flags})
+    config_class, model_class, presets = (ModelConfig, Model, PRESETS) if models is None else \
+        (models.ModelConfig, models.Model, models.PRESETS)
+    cfg = config_class(**{**presets[s["model"]], **s["overrides"], "attn": attn, "kernel": "fused", **flags})
     torch.manual_seed(seed)
-    model = Model(cfg)
+    model = model_class(cfg)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import GRAD_CLIP, LR, SHAPES, WEIGHT_DECAY, configs, train_step  # noqa: E402
+from train_step import SHAPES, build, configs, train_step  # noqa: E402
 from config import keep_freed_memory  # noqa: E402 (train_step put the checkout on sys.path)
 
 OWN = ("model", "attention", "kernels")  # the modules each checkout brings
@@ -49,22 +49,6 @@ def load(label, root):
             sys.modules[f"{label}_{m}"] = sys.modules.pop(m)
         sys.modules.update(saved)
     return model
-
-
-def build(model, shape, attn, flags, seed=0):
-    """train_step.build with the checkout's own model module."""
-    s = SHAPES[shape]
-    cfg = model.ModelConfig(**{**model.PRESETS[s["model"]], **s["overrides"], "attn": attn, "kernel": "fused",
-                               **flags})
-    torch.manual_seed(seed)
-    net = model.Model(cfg)
-    decay = [p for p in net.parameters() if p.dim() >= 2]
-    other = [p for p in net.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), fused=True)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (s["B"], s["T"] + 1), generator=g)
-    return net, opt, tokens[:, :-1], tokens[:, 1:]
 
 
 def main(argv=None):
@@ -85,7 +69,7 @@ def main(argv=None):
     configs(names)  # an unknown name: one clear error
     flags = {name: (attn, f) for name, attn, f in configs()}  # the variants CONFIGS does not name too (nsa, ...)
     models = {label: load(label, root) for label, root in trees}
-    built = {(label, n): build(models[label], args.shape, *flags[n]) for label in labels for n in ["full"] + names}
+    built = {(label, n): build(args.shape, *flags[n], models=models[label]) for label in labels for n in ["full"] + names}
     started = time.time()
     for _ in range(2):
         for b in built.values():
