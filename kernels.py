@@ -66,7 +66,8 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see; the backward recomputes the probabilities (FLEX: one FlexAttention call). Its block scores (`chunked_block_scores`, both sets) recompute the same
+  keys it can see; the backward recomputes the probabilities (FLEX: one FlexAttention
+  call). Its block scores (`chunked_block_scores`, both sets) recompute the same
   probabilities a chunk at a time without gradient and keep only (T, J).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
@@ -1249,6 +1250,8 @@ def compiled_on_gpu(fn, q):
             _compiled[fn] = compile_fn(fn)
         return _compiled[fn]
     return fn
+
+
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask
 MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bounded
 
@@ -1295,9 +1298,15 @@ def block_mask(T, S, q_start, k_start, window, window_from, device):
             keep = keep & near
         return keep
 
+    return cached_block_mask((T, S, q_start, k_start, window, window_from), mask_mod, T, S, device)
+
+
+def cached_block_mask(key, mask_mod, T, S, device):
+    """create_block_mask(mask_mod) over (T, S), built once per `key` (the shape and rule) and
+    cached; rebuilt in a compiled graph, where building it is part of the graph."""
     if torch.compiler.is_compiling():
         return create_block_mask(mask_mod, None, None, T, S, device=device)
-    key = (T, S, q_start, k_start, window, window_from, str(device))
+    key = key + (str(device),)
     if key not in _block_masks:
         if len(_block_masks) >= MAX_CACHED_MASKS:
             _block_masks.clear()
@@ -1472,14 +1481,7 @@ def combiner_block_mask(T, S, R, q_start, k_start, block, device):
         span = (j >= S) & (j - S < q_pos // block)
         return direct | span
 
-    if torch.compiler.is_compiling():
-        return create_block_mask(visible, None, None, T, S + R, device=device)
-    key = ("combiner", T, S, R, q_start, k_start, block, str(device))
-    if key not in _block_masks:
-        if len(_block_masks) >= MAX_CACHED_MASKS:
-            _block_masks.clear()
-        _block_masks[key] = create_block_mask(visible, None, None, T, S + R, device=device)
-    return _block_masks[key]
+    return cached_block_mask(("combiner", T, S, R, q_start, k_start, block), visible, T, S + R, device)
 
 
 def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
@@ -1515,15 +1517,7 @@ def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
     def complete(b, h, i, j):
         return j * stride + length - 1 <= q_start + i
 
-    key = ("compressed", T, C, q_start, length, stride, str(q.device))
-    if torch.compiler.is_compiling():
-        mask = create_block_mask(complete, None, None, T, C, device=q.device)
-    else:
-        if key not in _block_masks:
-            if len(_block_masks) >= MAX_CACHED_MASKS:
-                _block_masks.clear()
-            _block_masks[key] = create_block_mask(complete, None, None, T, C, device=q.device)
-        mask = _block_masks[key]
+    mask = cached_block_mask(("compressed", T, C, q_start, length, stride), complete, T, C, q.device)
     return _run_flex(q, k_cmp, v_cmp, None, mask, scale)
 
 
