@@ -1716,21 +1716,33 @@ def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
     return compiled_on_gpu(_gathered_attention, q)(q, k, v, scale, q_start, k_start, keys)
 
 
+def _listed_logits(q, k, scale, q_start, k_start, keys):
+    """The main attention's float32 logits of each query's listed keys, (B, Hkv, G, T, n), read
+    by index, with `ok` (B, 1, 1, T, n), listed and visible, and `some` (.., 1), the queries
+    that see any (a query with none gets 0, as in the reference). keys (B, T, n) indices
+    into the S keys, -1 empty."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
+    k_sel = k[b, h, keys.clamp(min=0)[:, None]].float()  # (B, Hkv, T, n, D): indexed loads when compiled
+    logits = (q.view(B, Hkv, H // Hkv, T, 1, D).float() * k_sel[:, :, None]).sum(-1) * scale
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+    ok = ((keys >= 0) & (k_start + keys <= q_pos))[:, None, None]
+    some = ok.any(-1, keepdim=True)
+    return logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), ok, some
+
+
 def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
     """flex_selected_attention's computation: q (B, H, T, D), k, v (B, Hkv, S, D), keys
     (B, T, n) indices into the S keys (-1: empty), float32 scores and softmax."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
+    logits, _, some = _listed_logits(q, k, scale, q_start, k_start, keys)  # (B, Hkv, G, T, n)
+    p = torch.softmax(logits, -1) * some
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
-    s = keys.clamp(min=0)[:, None]  # (B, 1, T, n)
-    k_sel, v_sel = k[b, h, s].float(), v[b, h, s].float()  # (B, Hkv, T, n, D): indexed loads when compiled
-    q_g = q.view(B, Hkv, H // Hkv, T, 1, D).float()
-    logits = (q_g * k_sel[:, :, None]).sum(-1) * scale  # (B, Hkv, G, T, n)
-    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
-    ok = ((keys >= 0) & (k_start + keys <= q_pos))[:, None, None]  # (B, 1, 1, T, n): listed and visible
-    some = ok.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
-    p = torch.softmax(logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), -1) * some
+    v_sel = v[b, h, keys.clamp(min=0)[:, None]].float()  # (B, Hkv, T, n, D): indexed loads when compiled
     out = (p[..., None] * v_sel[:, :, None]).sum(-2)  # (B, Hkv, G, T, D)
     return out.view(B, H, T, D).to(v.dtype)
 
@@ -1752,19 +1764,11 @@ def _listed_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     """L^I over the listed keys: sum over queries of KL(p_t || softmax(I[t, keys])) / (B T),
     p_t the main attention's probabilities over the same keys (no gradient), summed over
     heads and L1-normalised; I with gradient into the indexer's q_idx, k_idx and w."""
-    B, H, T, D = q.shape
-    Hkv, d = k.shape[1], q_idx.shape[-1]
-    s = keys.clamp(min=0)  # (B, T, n)
-    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
-    ok = (keys >= 0) & (k_start + keys <= q_pos)  # (B, T, n): listed and visible
-    some = ok.any(-1, keepdim=True)
+    B, T, d = q.shape[0], q.shape[2], q_idx.shape[-1]
     with torch.no_grad():
-        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-        h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
-        k_sel = k.detach()[b, h, s[:, None]].float()  # (B, Hkv, T, n, D): indexed loads when compiled
-        logits = (q.detach().view(B, Hkv, H // Hkv, T, 1, D).float() * k_sel[:, :, None]).sum(-1) * scale
-        logits = logits.flatten(1, 2).masked_fill(~ok[:, None], NEG_INF).masked_fill(~some[:, None], 0.0)
-        p = (torch.softmax(logits, -1) * some[:, None]).mean(1)  # (B, T, n)
+        logits, ok, some = _listed_logits(q.detach(), k.detach(), scale, q_start, k_start, keys)
+        p = (torch.softmax(logits.flatten(1, 2), -1) * some[:, 0]).mean(1)  # (B, T, n): summed over heads
+    ok, some, s = ok[:, 0, 0], some[:, 0, 0], keys.clamp(min=0)  # (B, T, n), (B, T, 1), (B, T, n)
     k_listed = k_idx[torch.arange(B, device=q.device).view(B, 1, 1), s].float()  # (B, T, n, d)
     dots = (q_idx.float()[:, :, :, None, :] * k_listed[:, :, None]).sum(-1) / math.sqrt(d)  # (B, T, J, n)
     scores = (F.relu(dots) * w.float()[..., None]).sum(2)  # (B, T, n): [DS32] eq. 1 at the listed keys
