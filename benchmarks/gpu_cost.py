@@ -379,10 +379,11 @@ def make_module(name, flags):
     return attention.VARIANTS[attn](cfg)
 
 
-def measure(name, flags, T, B=1, backward=True, count=True):
+def measure(name, flags, T, B=1, backward=True, count=True, grad=True):
     """One layer of configuration `name` at T tokens: a dict of what the table shows, with
     the Recorder under "recorder". count=False: the kernels' work only (no op counting, no
-    backward, no gradient)."""
+    backward), of a forward with gradients enabled (grad=True: the tiles training uses) or
+    without (grad=False: evaluation's, which may be smaller; kernels.selection_tiles)."""
     module = make_module(name, flags)
     module.train()
     cfg = module.cfg
@@ -394,7 +395,7 @@ def measure(name, flags, T, B=1, backward=True, count=True):
     t0 = time.perf_counter()
     with intercept(rec):
         if not count:
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 module(x, cos, sin, 0)
         else:
             x.requires_grad_(True)
@@ -461,6 +462,8 @@ def main(argv=None):
     parser.add_argument("--only", help="comma-separated configurations (default: all of gpu_check.CONFIGS)")
     parser.add_argument("--quick", action="store_true", help=f"T = {QUICK['lengths']}, a few configurations")
     parser.add_argument("--out", help="also write the table as Markdown to this file")
+    parser.add_argument("--calls", action="store_true", help="under each row, every kernel call's work per query "
+                        "(keys, the diagonal band included) and its key tile")
     args = parser.parse_args(argv)
     lengths = QUICK["lengths"] if args.quick else LENGTHS
     if args.T:
@@ -477,9 +480,12 @@ def main(argv=None):
     for T in lengths:
         for name, flags in configs:
             row = measure(name, flags, T)
-            row.pop("recorder"), row.pop("module")
+            calls = row.pop("recorder").calls
+            row.pop("module")
             rows.append(row)
             print(" | ".join(str(c) for c in cells(row)) + f"   ({row['seconds']:.1f} s)", flush=True)
+            for c in calls if args.calls else ():
+                print(f"    {c['kind']:6s} over {c['S']:6d} keys, key tile {c['tile']:3d}: {c['work'] / T:8.0f} keys per query")
     if args.out:
         with open(args.out, "w") as f:
             f.write(markdown(rows, f"\n    python benchmarks/gpu_cost.py {' '.join(argv or sys.argv[1:])}\n"))
