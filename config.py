@@ -650,7 +650,7 @@ def print_plan(tc, mc, run, accum, action):
         + (f"; indexer lr {tc.indexer_lr:g}, dense for the first {tc.indexer_warmup} steps (indexer_warmup), "
            f"then sparse" if mc.attn == "indexer" else ""),
         f"tokens      {planned:,} planned; {data_line}",
-        f"compile     {'on' if tc.compile else 'off'}",
+        f"compile     " + ("on, block by block (model.compile_blocks: one layer's graph for all)" if tc.compile else "off"),
         f"preflight   " + ("on: kernel=" + mc.kernel + " checked against kernel=ref before step 1, with a fallback"
                            if preflight_on(tc, run["device"]) and mc.kernel != "ref" else "off"),
         f"run folder  {tc.out_dir} ({FOLDER_LINES[action]})",

@@ -7,6 +7,7 @@ weights), with the attention variant chosen by `ModelConfig.attn` (see attention
 
 `python model.py` prints the parameter count of every preset.
 """
+import copy
 import json
 import math
 import os
@@ -200,6 +201,24 @@ class Model(nn.Module):
                 for stat, per_head in summary.items():
                     out.setdefault(name, {}).setdefault(stat, []).append(per_head)
         return out
+
+
+def compile_blocks(model, **compile_kwargs):
+    """A view of `model` whose blocks are torch.compile'd one by one (regional compilation, as
+    torchtitan compiles its transformer blocks), for training on a GPU.
+
+    Every block runs the same code on its own weights, so dynamo traces Block.forward once and
+    every layer reuses that graph (a second one for moba_full_last's full-attention layers):
+    the trace, the backward and inductor's lowering are done for one layer, not n_layer times
+    over as under torch.compile(model). benchmarks/compile_time.py measures both side by side.
+    The embedding, the last norm, the head and the loss, a few large kernels, run eagerly.
+
+    The view shares every parameter and buffer with `model`, which stays uncompiled: its state
+    dict (checkpoints), its gate recording and evaluations at other lengths run eagerly."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)  # its own table of submodules, holding the same modules
+    view.layers = nn.ModuleList([torch.compile(layer, **compile_kwargs) for layer in model.layers])
+    return view
 
 
 # ----------------------------------------------------------------------------- checkpoints

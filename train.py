@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import flops
 from evaluate import evaluate_model  # the end-of-run evaluations (train.py's own evaluate() is the val loss)
-from model import CheckpointError, Model, read_checkpoint, rng_state, save_checkpoint, set_rng_state
+from model import CheckpointError, Model, compile_blocks, read_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -201,8 +201,9 @@ def main(argv=None):
 # ----------------------------------------------------------------------------- the model
 
 def wrap(raw_model, gate_x, tc, run):
-    """The model the loop calls: compiled when tc.compile, wrapped in DDP under torchrun."""
-    model = torch.compile(raw_model) if tc.compile else raw_model
+    """The model the loop calls: its blocks compiled when tc.compile (model.compile_blocks: one
+    layer's graph, compiled once for all), wrapped in DDP under torchrun."""
+    model = compile_blocks(raw_model) if tc.compile else raw_model
     if run["ddp"]:
         # DDP must know of parameters that get no gradient (a variant's ablated gate); probe
         # once on the raw model rather than pay find_unused_parameters's search every step.

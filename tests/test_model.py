@@ -355,3 +355,36 @@ def test_forward_reads_no_tensor_back(monkeypatch):
         model(idx[:, :12], cache=cache)
         model(idx[:, 12:13], cache=cache)
         model(idx)
+
+
+@pytest.mark.parametrize("attn,overrides,graphs", [("local", {}, 1), ("moba", dict(moba_full_last=1), 2)])
+def test_compile_blocks_traces_one_layer_for_all(attn, overrides, graphs):
+    """model.compile_blocks (train.py's compile): dynamo traces Block.forward once and all
+    n_layer blocks reuse that graph, one per block class (moba_full_last's full layers: a
+    second); each graph holds one layer's 7 projections (q, k, v, o, gate, up, down), not the
+    whole model's. The view trains the same weights to the same loss and gradients as the
+    eager model, which itself stays uncompiled, with the same state dict."""
+    from model import compile_blocks
+    model = make_model(attn, n_layer=3, **overrides).train()
+    keys = list(model.state_dict())
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(sum(n.target is torch.nn.functional.linear for n in gm.graph.nodes))
+        return gm.forward
+
+    view = compile_blocks(model, backend=backend)
+    idx = torch.randint(0, SMALL_VOCAB, (2, 41), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    losses, grads = [], []
+    for run in (model, view):
+        _, loss = run(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    assert traced == [7] * graphs, traced
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert all(a is b for a, b in zip(model.parameters(), view.parameters()))
+    assert all(type(layer).__name__ == "Block" for layer in model.layers) and list(model.state_dict()) == keys
