@@ -10,14 +10,17 @@
 2. attention: each configuration's attention core, forward + backward in bf16 autocast at
    T = 1024 .. 8192 (qwen-134m's 12 heads of 64, batch 4), its time and peak memory, and its
    time over flash SDPA's (causal) on the same q, k, v.
-3. training: 30 steps of each configuration at the qwen-134m shape (bf16 autocast, compiled,
-   AdamW, random tokens, train.py's own optimizer and preflight), printing tokens/s, MFU
-   (flops.py) and peak memory; a configuration whose kernels fail the preflight says which
+3. training: 30 steps of each configuration at the qwen-134m shape (bf16 autocast, compiled
+   as train.py compiles, block by block: model.compile_blocks; AdamW, random tokens, train.py's
+   own optimizer and preflight), printing tokens/s, MFU (flops.py), peak memory and the first
+   step's seconds, compiles included (when training is ready); a configuration whose kernels fail the preflight says which
    path it fell back to, and one that fails outright keeps its error in its row.
 
 --profile (instead of 1-3, inside --budget_s, 480 s by default): for every variant (its default
-flags), at T = 4096 then 16384 (B = 4, bf16, qwen-134m heads), the attention core's first
-forward + backward (its FlexAttention compiles, after torch._dynamo.reset(): "compile s"),
+flags), at T = 4096 then 16384 (B = 4, bf16, qwen-134m heads), the attention core compiled as
+train.py's compiled blocks run it (torch.compile of its `attend`; eager where that fails, and
+the row says so; eager on a CPU), its first forward + backward (the compile, after
+torch._dynamo.reset(): "compile s"),
 at 4096 the top kernels of one forward + backward by device time (torch.profiler; CPU time on
 a CPU) with the number of kernels launched, and each length's time over SDPA causal's in the
 same run; then training steps, compiled, as far as the budget goes. A row that the budget
@@ -48,7 +51,7 @@ import flops  # noqa: E402
 import train  # noqa: E402
 from attention import VARIANTS  # noqa: E402
 from config import TrainConfig, preflight  # noqa: E402
-from model import PRESETS, Model, ModelConfig  # noqa: E402
+from model import PRESETS, Model, ModelConfig, compile_blocks  # noqa: E402
 
 # Every variant, and each flag that changes the kernels (gpu_compile_check's configurations).
 CONFIGS = [
@@ -149,7 +152,7 @@ def attention_inputs(shape, T, device):
 
 
 def attention_module(name, flags, shape, device):
-    cfg = config(name, flags, shape)
+    cfg = config(name, flags, shape, shape.get("kernel", "fused"))
     module = VARIANTS[cfg.attn](cfg).to(device)
     for p in module.parameters():
         p.data.normal_(0, 0.1)
@@ -176,11 +179,33 @@ def top_kernels(step, device, n=TOP_KERNELS):
     return top, sum(e.count for e in events), sum(ms)
 
 
-def profile_rows(shape, device, dtype, deadline, result, save):
+def first_step(module, inputs, autocast, timer, backend):
+    """(step, its first run's seconds, compiles included, the path it took): the attention
+    core's forward + backward through torch.compile(module.attend, backend=backend), as a
+    block of train.py's compiled model runs it (its selection and merges fused around the
+    kernels, no Python launch per op), or eagerly where backend is None or the compile fails
+    (the path says why)."""
+    q, k, v, x = inputs
+    eager = fwd_bwd(lambda: module.attend(q, k, v, x, 0, 0), autocast)
+    if backend is None:
+        return eager, timer.time(eager), "eager"
+    attend = torch.compile(module.attend, backend=backend)
+    step = fwd_bwd(lambda: attend(q, k, v, x, 0, 0), autocast)
+    try:
+        return step, timer.time(step), "compiled"
+    except Exception as e:  # noqa: BLE001 - the row says so and times the eager path
+        while getattr(e, "inner_exception", None) or e.__cause__:  # dynamo's BackendCompilerFailed wraps
+            e = getattr(e, "inner_exception", None) or e.__cause__  # the compiler's own error
+        torch._dynamo.reset()
+        return eager, timer.time(eager), f"eager: the compile failed ({first_line(e)})"
+
+
+def profile_rows(shape, device, dtype, deadline, result, save, backend=None):
     """--profile: per variant, at each length (shortest first), the attention core's first step
-    (compile s), its time over SDPA causal's, and at the first length its top kernels. A row
-    is skipped when the time left before `deadline` is under twice what its first step is
-    expected to take (its previous length's first step and runs, scaled by T^2)."""
+    (compile s), its time over SDPA causal's, and at the first length its top kernels; the core
+    compiled by `backend` (main: inductor on CUDA) or eager (None). A row is skipped when the
+    time left before `deadline` is under twice what its first step is expected to take (its
+    previous length's first step and runs, scaled by T^2)."""
     timer, runs = Timer(device), 3 if shape["model"] == "tiny" else 10
     autocast = torch.autocast(device.split(":")[0], dtype=dtype) if dtype != torch.float32 else nullcontext()
     rows = result.setdefault("profile", [])
@@ -203,13 +228,13 @@ def profile_rows(shape, device, dtype, deadline, result, save):
                     if device.startswith("cuda"):  # each variant compiles its own kernels: an honest compile time
                         torch._dynamo.reset()  # (on a CPU only asga's gate tile compiles, the same for every row)
                     module = attention_module(name, flags, shape, device)
-                    step = fwd_bwd(lambda: module.attend(q, k, v, x, 0, 0), autocast)
-                    row["compile_s"] = timer.time(step)
+                    step, row["compile_s"], row["path"] = first_step(module, (q, k, v, x), autocast, timer, backend)
                     if T == first_T:
                         row["top"], row["kernels"], row["kernel_ms"] = top_kernels(step, device)
                     row["ms"], row["gb"] = timed(step, timer, runs)
                     row["x_sdpa"] = row["ms"] / sdpa_ms
-                    shown = f"{row['ms']:9.2f} ms  {row['x_sdpa']:6.2f}x sdpa  first step {row['compile_s']:.1f} s"
+                    shown = (f"{row['ms']:9.2f} ms  {row['x_sdpa']:6.2f}x sdpa  first step {row['compile_s']:.1f} s  "
+                             f"{row['path']}")
                     if "kernels" in row:
                         shown += f"  {row['kernels']} kernels"
                 except Exception as e:  # noqa: BLE001 - kept in the row
@@ -284,7 +309,7 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
             optimizer = train.make_optimizer(model, tc)
             if compile_model:
                 torch._dynamo.reset()  # a fresh compile per configuration (and no recompile limit reached)
-            step_model = torch.compile(model) if compile_model else model
+            step_model = compile_blocks(model) if compile_model else model  # as train.py compiles
 
             def step():
                 with autocast:
@@ -294,7 +319,7 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            step()  # compile, warm up
+            row["first_step_s"] = timer.time(step)  # compiles included: when training is ready
             timer.reset()
             times = [timer.time(step) for _ in range(steps)]
             row["tok_s"] = B * T / statistics.median(times)
@@ -302,7 +327,7 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
             row["flop_s"] = row["flops_per_token"] * row["tok_s"]
             row["mfu"] = flops.mfu(row["flop_s"], name_of_device) if device.startswith("cuda") else None
             use = f"mfu {100 * row['mfu']:5.1f}%" if row["mfu"] is not None else f"{row['flop_s'] / 1e12:.3g} TFLOP/s"
-            shown = f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}"
+            shown = f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}  first step {row['first_step_s']:.1f} s"
             del model, step_model, optimizer
         except SystemExit as e:  # config.fail inside the preflight: its line is on stderr
             row["error"] = shown = f"stopped by the preflight (exit {e.code})"
@@ -354,7 +379,7 @@ def markdown(result):
         rows = result["profile"]
         lengths = sorted({r["T"] for r in rows})
         lines.append(f"\nattention core, forward + backward, B = {rows[0]['B']}: ms (x SDPA causal), first step s "
-                     "(compiles included)\n" if rows else "")
+                     "(compiles included); the core through torch.compile unless a cell says eager\n" if rows else "")
         lines.append("| config | " + " | ".join(f"T={T} | first step s" for T in lengths) + " |")
         lines.append("|---" * (2 * len(lengths) + 1) + "|")
         by = {(r["config"], r["T"]): r for r in rows}
@@ -363,7 +388,8 @@ def markdown(result):
             for T in lengths:
                 r = by.get((name, T), {})
                 if "ms" in r:
-                    cells += [f"{r['ms']:.2f} ({r['x_sdpa']:.2f}x)", f"{r['compile_s']:.1f}"]
+                    path = "" if r.get("path") == "compiled" else f", {r.get('path', 'eager')[:70]}"
+                    cells += [f"{r['ms']:.2f} ({r['x_sdpa']:.2f}x){path}", f"{r['compile_s']:.1f}"]
                 else:
                     cells += [(r.get("error") or r.get("skipped") or "-")[:70], ""]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -376,15 +402,16 @@ def markdown(result):
                 lines += [f"    {t['ms']:9.3f} ms {t['calls']:5d}x  {t['name']}" for t in r["top"]]
     if "training" in result:
         lines.append("\ntraining steps\n")
-        lines.append("| config | kernel | tok/s | MFU | TFLOP/s | peak GB |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| config | kernel | tok/s | MFU | TFLOP/s | peak GB | first step s (compiles) |")
+        lines.append("|---|---|---|---|---|---|---|")
         for r in result["training"]:
             if "error" in r:
-                lines.append(f"| {r['config']} | - | {r['error'][:80]} | | | |")
+                lines.append(f"| {r['config']} | - | {r['error'][:80]} | | | | |")
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
             gb = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else "-"
-            lines.append(f"| {r['config']} | {r['kernel']} | {r['tok_s']:,.0f} | {mfu} | {r['flop_s'] / 1e12:.3g} | {gb} |")
+            lines.append(f"| {r['config']} | {r['kernel']} | {r['tok_s']:,.0f} | {mfu} | {r['flop_s'] / 1e12:.3g} | {gb} "
+                         f"| {r['first_step_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -438,7 +465,7 @@ def main(argv=None):
     if profiling:
         deadline = t0 + (shape["budget_s"] if args.budget_s is None else args.budget_s)
         if "attention" not in skip:
-            profile_rows(shape, device, dtype, deadline, result, save)
+            profile_rows(shape, device, dtype, deadline, result, save, backend="inductor" if device == "cuda" else None)
         if "training" not in skip:
             training_rows(shape, device, dtype, compile_model=device == "cuda", configs=PROFILE_CONFIGS,
                           deadline=deadline, rows=result.setdefault("training", []), save=save)

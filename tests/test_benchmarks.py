@@ -9,9 +9,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import attention
 import kernels as kernels_of_this_process
@@ -137,7 +139,7 @@ def test_gpu_check_profile_dry_run(tmp_path):
         else:
             assert "top" not in row
     assert [row["config"] for row in result["training"]] == names
-    assert all(row["tok_s"] > 0 for row in result["training"])
+    assert all(row["tok_s"] > 0 and row["first_step_s"] > 0 for row in result["training"])
     md = (tmp_path / "profile.md").read_text()
     assert all(f"| {n} |" in md for n in names) and "first step s" in md and "the top" in md
 
@@ -150,3 +152,51 @@ def test_gpu_check_profile_dry_run(tmp_path):
     assert all(row["skipped"].startswith("skipped") and "ms" not in row for row in result["profile"])
     assert all(row["error"].startswith("skipped") for row in result["training"])
     assert "skipped" in (tmp_path / "none.md").read_text()
+
+
+def test_compile_time_compares_whole_and_blocks(tmp_path):
+    """benchmarks/compile_time.py: per variant, the first training step compiled whole and
+    block by block (train.py's model.compile_blocks), side by side; each traces one graph."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--only=local", "--T=32"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| local |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    whole_first, whole_step, whole_compile, whole_graphs = cells[1:5]
+    blocks_first, blocks_step, blocks_compile, blocks_graphs = cells[5:9]
+    assert whole_graphs == blocks_graphs == "1", row
+    assert float(whole_compile) > 0 and float(blocks_compile) > 0 and float(cells[9]) > 0, row
+
+
+def test_gpu_check_profile_times_the_compiled_core(monkeypatch):
+    """--profile on CUDA times each attention core compiled (torch.compile of `attend`, as the
+    blocks of train.py's compiled model run it). The same code here, on the GPU path
+    (kernel=flex) with CPU tensors and the aot_eager backend: dynamo and AOTAutograd trace each
+    selecting variant's forward and backward, and the compiled step runs (FlexAttention's CPU
+    guard against a backward lifted: its eager reference computes one, except for the
+    gradients of captured tensors, so asga and caa are not here). A compile that fails
+    leaves the row eager, and the row says why."""
+    import torch.nn.attention.flex_attention as nn_fa
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+    monkeypatch.setattr(nn_fa, "_validate_device", lambda *args, **kwargs: None)
+    names = ["local", "combiner", "nsa", "moba", "indexer"]
+    monkeypatch.setattr(gpu_check, "PROFILE_CONFIGS", [c for c in gpu_check.PROFILE_CONFIGS if c[0] in names])
+    shape = dict(gpu_check.PROFILE_TINY, kernel="flex", lengths=(64,))
+
+    def profile(backend):
+        result = {}
+        gpu_check.profile_rows(shape, "cpu", torch.float32, time.time() + 600, result, lambda: None, backend=backend)
+        return result["profile"]
+
+    rows = profile("aot_eager")
+    assert [(r["config"], r["path"]) for r in rows] == [(n, "compiled") for n in names], rows
+    assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in rows)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no kernel for this")
+    monkeypatch.setattr(gpu_check, "PROFILE_CONFIGS", gpu_check.PROFILE_CONFIGS[:1])
+    row, = profile(broken)
+    assert row["path"].startswith("eager: the compile failed") and "no kernel for this" in row["path"], row
+    assert row["ms"] > 0
