@@ -33,7 +33,8 @@ traces this path without a graph break (tests/test_kernels.py); on CPU, inductor
 FlexAttention template then refuses parts of it (torch 2.13: "epilogue_nodes" for dsa's
 gate multiply, "no choices" for the asga and caa score_mods; `local` compiles and matches
 the reference to 2e-7), so CPU runs stay uncompiled.
-Compiled on a GPU (Triton templates): not yet run on a GPU. What a GPU's compile rejects is
+Compiled on a GPU (Triton templates): run on an H100 and an H200 (benchmarks/gpu_runs/, every
+CUDA-only test passing), before the selecting variants' gathered forms. What a GPU's compile rejects is
 kept out: a score_mod reads each captured tensor that needs a gradient once (`units`), and
 by row or key, never by head alone (`per_row`); tests/test_lowering.py checks both on the
 joint graphs inductor receives, and benchmarks/gpu_compile/ holds the whole CUDA compile

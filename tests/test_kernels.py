@@ -663,6 +663,32 @@ def test_flex_forward_has_no_graph_breaks(attn, flags):
     assert explanation.graph_count == 1
 
 
+TRAINING_GRAPH_FLAGS = dict(nsa=dict(nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=16, nsa_topk=3, nsa_window=16),
+                            moba=dict(moba_block=16, moba_topk=3), indexer=dict(index_topk=24, index_head_dim=16))
+
+
+@pytest.mark.parametrize("attn", sorted(VARIANTS))
+def test_flex_training_step_traces_as_one_graph(attn, monkeypatch):
+    """What model.compile_blocks hands torch.compile on a GPU: a block's forward in training
+    mode with gradients on (the selections' training tiles, the indexer's loss) traces as one
+    graph, every variant, with sizes under T so that each selection selects. FlexAttention's
+    CPU guard against a backward is lifted: only the trace is looked at."""
+    import torch.nn.attention.flex_attention as nn_fa
+    monkeypatch.setattr(nn_fa, "_validate_device", lambda *args, **kwargs: None)
+    model = tiny_model(attn, "flex", n_layer=1, **TRAINING_GRAPH_FLAGS.get(attn, {})).train()
+    idx = torch.randint(0, 512, (1, 151), generator=torch.Generator().manual_seed(0))
+
+    def step(idx):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        kl = model.indexer_loss()
+        return loss if kl is None else loss + kl
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(step)(idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the element count of the largest tensor any op creates."""
 
