@@ -115,6 +115,22 @@ def test_ddp_two_ranks_equal_one_process_with_accumulation(shards, single_run, t
     assert ls[STEPS] < ls[1]  # it trained
 
 
+def test_compiled_ddp_run_trains_as_the_uncompiled_one(shards, single_run, tmp_path):
+    """--compile=True (the GPU preset's): train.py compiles block by block
+    (model.compile_blocks), and under torchrun DDP wraps that view of the model. Two ranks,
+    compiled (inductor's C++ here), take the same steps as one uncompiled process: the same
+    losses, and checkpoints of the same weights under the same names (the raw model's)."""
+    single, _ = single_run
+    r = train(*TINY, f"--data_dir={shards}", f"--out_dir={tmp_path}", f"--max_steps={STEPS}", "--eval_every=3",
+              "--compile=True", torchrun=True, timeout=400)
+    assert "compile     on, block by block" in r.stdout
+    ls, lc = step_losses(single), step_losses(tmp_path)
+    assert sorted(lc) == sorted(ls) and all(abs(ls[s] - lc[s]) < 1e-4 for s in ls), (ls, lc)
+    a, b = load_ckpt(single)["model"], load_ckpt(tmp_path)["model"]
+    assert sorted(a) == sorted(b)
+    assert all((a[name] - b[name]).norm() <= 1e-4 * b[name].norm() for name in a)
+
+
 def test_log_records_model_flops_and_the_flop_rate(single_run):
     """config.json holds the model's FLOPs per token (flops.py); every step its FLOP/s per
     process, from tokens/s; no MFU on a CPU (no peak to divide by)."""
