@@ -237,12 +237,17 @@ def evaluate_lengths(model, data_dir, tokenizer, trained_len, n_seq, batch_size=
     """loss_by_position at each factor x trained_len on data_dir's val shards -> a list of
     its results (skipped lengths included, with why), after printing one line per length."""
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
-    try:
-        tok = data.load_tokenizer(tokenizer)
-        if vocab and vocab < tok.n_ids:  # e.g. byte shards in a folder without tokenizer.json
-            raise EvalError(f"the model embeds {vocab} token ids, fewer than the {tok.n_ids} of the {tok.name} tokens "
+
+    def check_ids(name, n_ids):  # e.g. byte shards in a folder without tokenizer.json
+        if vocab and vocab < n_ids:
+            raise EvalError(f"the model embeds {vocab} token ids, fewer than the {n_ids} of the {name} tokens "
                             f"that {data_dir} is taken to hold (no tokenizer.json there?); record the folder's "
                             f"tokenizer with data.write_tokenizer (`python data.py` writes it)")
+    try:
+        if isinstance(tokenizer, str) and tokenizer in data.TOKENIZERS:  # its id count needs no files (offline)
+            check_ids(tokenizer, data.TOKENIZERS[tokenizer][0])
+        tok = data.load_tokenizer(tokenizer)
+        check_ids(tok.name, tok.n_ids)
         bytes_per_token = token_bytes(tok, vocab) if vocab else None
     except data.NoText:  # ids without text (the recall probe's): no bytes to count
         bytes_per_token = None
