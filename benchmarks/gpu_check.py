@@ -24,8 +24,8 @@ the row says so; eager on a CPU), its first forward + backward (the compile, aft
 torch._dynamo.reset(): "compile s"), at 4096 the top kernels of one forward + backward by
 device time (torch.profiler; CPU time on a CPU) with the number of kernels launched, and each
 length's time over SDPA causal's in the same run; then training steps, compiled, as far as
-the budget goes. A row that the budget
-does not leave time for says so ("skipped"); every row is saved as it is measured.
+the budget goes. A row that the budget does not leave time for says so ("skipped"); every
+row is saved as it is measured.
 
 Everything goes to one JSON (`--out`, default gpu_check.json) and one Markdown table (the
 same name, .md) to paste into an issue, with the device, torch, CUDA and git commit. On a CPU
