@@ -129,6 +129,8 @@ def test_gpu_check_profile_dry_run(tmp_path):
     assert {n for n, _ in gpu_check.PROFILE_CONFIGS} == set(attention.VARIANTS)  # every variant, at its defaults
     rows = result["profile"]
     lengths = gpu_check.PROFILE_TINY["lengths"]
+    names = [n for n in gpu_check.PROFILE_ORDER if n in names]  # the selecting variants first, asga last
+    assert names[:4] == ["full", "nsa", "moba", "indexer"]
     assert [(r["config"], r["T"]) for r in rows] == [(n, T) for T in lengths for n in names]
     for row in rows:
         assert row["ms"] > 0 and row["compile_s"] > 0 and row["x_sdpa"] == pytest.approx(row["ms"] / row["sdpa_ms"])
@@ -181,7 +183,7 @@ def test_gpu_check_profile_times_the_compiled_core(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
     monkeypatch.setattr(nn_fa, "_validate_device", lambda *args, **kwargs: None)
-    names = ["local", "combiner", "nsa", "moba", "indexer"]
+    names = ["nsa", "moba", "indexer", "combiner", "local"]  # in gpu_check.PROFILE_ORDER
     monkeypatch.setattr(gpu_check, "PROFILE_CONFIGS", [c for c in gpu_check.PROFILE_CONFIGS if c[0] in names])
     shape = dict(gpu_check.PROFILE_TINY, kernel="flex", lengths=(64,))
 
