@@ -17,15 +17,16 @@
    fail the preflight says which path it fell back to, and one that fails outright keeps its
    error in its row.
 
---profile (instead of 1-3, inside --budget_s, 480 s by default): for every variant (its default
-flags; full, then the selecting variants, asga last: PROFILE_ORDER), at T = 4096 then 16384 (B = 4, bf16, qwen-134m heads), the attention core compiled as
-train.py's compiled blocks run it (torch.compile of its `attend`; eager where that fails, and
-the row says so; eager on a CPU), its first forward + backward (the compile, after
-torch._dynamo.reset(): "compile s"), at 4096 the top kernels of one forward + backward by
-device time (torch.profiler; CPU time on a CPU) with the number of kernels launched, and each
-length's time over SDPA causal's in the same run; then training steps, compiled, as far as
-the budget goes. A row that the budget does not leave time for says so ("skipped"); every
-row is saved as it is measured.
+--profile (instead of 1-3, inside --budget_s, 480 s by default): for every variant (its
+default flags; full, then the selecting variants, asga last: PROFILE_ORDER), at T = 4096 then
+16384 (B = 4, bf16, qwen-134m heads), the attention core compiled as train.py's compiled
+blocks run it (torch.compile of its `attend`; eager where that fails, and the row says so;
+eager on a CPU), its first forward + backward (the compile, after torch._dynamo.reset():
+"compile s"), at 4096 the top kernels of one forward + backward by device time
+(torch.profiler; CPU time on a CPU) with the number of kernels launched, and each length's
+time over SDPA causal's in the same run; then training steps, compiled, as far as the budget
+goes. A row that the budget does not leave time for says so ("skipped"); every row is saved as
+it is measured.
 
 Everything goes to one JSON (`--out`, default gpu_check.json) and one Markdown table (the
 same name, .md) to paste into an issue, with the device, torch, CUDA and git commit. On a CPU
