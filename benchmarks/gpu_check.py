@@ -340,7 +340,8 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
             row["flop_s"] = row["flops_per_token"] * row["tok_s"]
             row["mfu"] = flops.mfu(row["flop_s"], name_of_device) if device.startswith("cuda") else None
             use = f"mfu {100 * row['mfu']:5.1f}%" if row["mfu"] is not None else f"{row['flop_s'] / 1e12:.3g} TFLOP/s"
-            shown = f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}  first step {row['first_step_s']:.1f} s"
+            shown = (f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}  "
+                     f"first step {row['first_step_s']:.1f} s")
             del model, step_model, optimizer
         except SystemExit as e:  # config.fail inside the preflight: its line is on stderr
             row["error"] = shown = f"stopped by the preflight (exit {e.code})"
