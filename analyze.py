@@ -523,9 +523,9 @@ def capture_attend_inputs(model, idx, layer):
     attn = model.layers[layer].self_attn
     seen = {}
 
-    def spy(q, k, v, x, q_start, k_start, cache=None):
+    def spy(q, k, v, x, q_start, k_start, summary=None):
         seen.update(q=q, k=k, v=v, x=x, q_start=q_start, k_start=k_start)
-        return type(attn).attend(attn, q, k, v, x, q_start, k_start, cache)
+        return type(attn).attend(attn, q, k, v, x, q_start, k_start, summary)
 
     attn.attend = spy  # shadows the class's method on this instance only
     try:

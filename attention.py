@@ -116,7 +116,11 @@ class AttentionConfig:
     rope_theta: float = 10000.0  # [RoPE]'s base, for the main keys and the indexer's
     norm_eps: float = 1e-6  # every RMSNorm's eps, q_norm's and k_norm's too (Hugging Face's one rms_norm_eps)
     attn: str = "full"  # the variant: a key of VARIANTS
-    window: int = 256  # W: a windowed query at i sees i - W .. i (local, dsa, asga fixed, caa); combiner's block
+    # `window` has four meanings, by variant: the window W, a query at i seeing i - W .. i (local,
+    # dsa, asga_gate=fixed, nsa's own is nsa_window); the smallest width of caa's learned window
+    # (its hard cut is caa_window_max, which caa's check_config holds >= window); combiner's block
+    # size; and, with index_topk = 0, the indexer's k. `settings(cfg)` names what each variant reads.
+    window: int = 256
     kernel: str = "fused"  # ref: this file as written; fused: best for the device; flex; blockwise (`ops`)
     dsa_gate: bool = True  # the head gate (False: [DSA-A]'s "No Gating")
     dsa_window: str = "adaptive"  # adaptive ([DSA-A], 4.904) | fixed ([DSA], W=256 always, 4.6498) | none
@@ -140,7 +144,7 @@ class AttentionConfig:
     nsa_branches: str = "cmp,slc,win"  # the branches summed; for [NSA]'s branch ablations, e.g. slc,win
     moba_block: int = 64  # B: positions per block (paper: 512 at 8k tokens)
     moba_topk: int = 4  # k: blocks per query, counting its own (paper: 3)
-    index_topk: int = 0  # k: keys per query (0: the window, so indexer and local read as many)
+    index_topk: int = 0  # k: keys per query (0: the window W; `local` reads W + 1)
     index_heads: int = 4  # J, the lightning indexer's heads (paper: 64); for trading its cost against its choice
     index_head_dim: int = 64  # d^I, their size, RoPE on the first half (paper: 128)
 
@@ -248,6 +252,24 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+def top_n(scores, n):
+    """(.., n) long: the indices of each row's n highest scores, highest first. The tie rule
+    of every selection here: equal scores go to the higher index, i.e. the more recent key or
+    block. A slot whose score is -inf (a row with fewer than n finite scores) is -1.
+    scores (.., S), float32 at most; no gradient (a selection is discrete).
+    How: one top-k over a key that orders by score, then by index. A float32's bits, read as
+    an int32, order like the float once the negative ones flip their 31 magnitude bits; that
+    int, times 2^32, plus the index is the key. (-0.0 is made 0.0 first: the two are equal.)"""
+    S = scores.shape[-1]
+    if S < n:  # fewer columns than slots: the spare slots stay empty
+        scores = F.pad(scores, (0, n - S), value=float("-inf"))
+    bits = (scores.detach().float() + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    top = ((ordered.long() << 32) | index).topk(n, dim=-1).indices
+    return top.masked_fill(scores.gather(-1, top) == float("-inf"), -1)
+
+
 # ---------------------------------------------------------------------------- full
 
 def attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
@@ -275,9 +297,10 @@ class CausalSelfAttention(nn.Module):
 
     The [Qwen3] attention block around every variant: q, k, v, o projections without bias,
     grouped-query heads (`n_kv_head`), per-head RMSNorm on q and k *before* RoPE,
-    scale 1/sqrt(head_dim). Every variant is this class with its own `attend`; none
-    overrides `forward`. What a variant keeps between decoding steps besides keys and values
-    lives in its KVCache's `state`, which `attend` receives as `cache`.
+    scale 1/sqrt(head_dim); the heads' outputs, concatenated, go through o_proj. Every
+    variant is this class with its own `attend`, and, where its selection reads summaries of
+    the keys (one per window of positions: nsa's compressed keys, moba's block means,
+    combiner's span summaries, the indexer's own keys), its own `summarise`.
     """
 
     def __init__(self, cfg):
@@ -293,41 +316,73 @@ class CausalSelfAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.notes = None  # while recording (`record_gates`): {name: tensor} of the last forward
 
-    def forward(self, x_BTC, cos, sin, start, cache=None):
-        """x: the block's normalized input (B, T, C); cos/sin: (T, D) for positions start ..
-        start + T - 1 (`start` a Python int). With a `KVCache`, keys/values of earlier tokens
-        are read from it and these appended."""
+    def project(self, x_BTC, cos, sin):
+        """q (B, H, T, D), k and v (B, Hkv, T, D) from the block's normalized input x (B, T, C):
+        the projections, RMSNorm on each head of q and k, then RoPE (cos, sin: (T, D))."""
         B, T, _ = x_BTC.shape
         q = self.q_proj(x_BTC).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(x_BTC).view(B, T, self.n_kv_head, self.head_dim)
         v = self.v_proj(x_BTC).view(B, T, self.n_kv_head, self.head_dim)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
-        v = v.transpose(1, 2)  # (B, Hkv, T, D)
-        k_start = start
-        if cache is not None:
-            k, v, k_start = cache.update(k, v, start)  # (B, Hkv, S, D), S = cached + T
-        self.notes = None if self.notes is None else {}  # recording: this forward's notes only
-        y = self.attend(q, k, v, x_BTC, start, k_start, cache)  # (B, H, T, D)
-        if cache is not None:
-            cache.trim(self.oldest_key_needed(start + T))
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        return q, k, v.transpose(1, 2)
 
-    def ops(self, device):
-        return ops(self.cfg.kernel, device)
-
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        """(B, H, T, D) from q (B, H, T, D), k, v (B, Hkv, S, D), the block input x (B, T, C),
-        the absolute positions of the first query and the first key (Python ints), and the
-        layer's KVCache when decoding (for variants that keep more than keys and values)."""
-        return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start)
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        """(B, H, T, D) from q (B, H, T, D), k, v (B, Hkv, S, D), the block input x (B, T, C)
+        and the absolute positions of the first query and the first key (Python ints).
+        summary: what the variant's `summarise` makes of every key from position 0, when the
+        caller has it (by default it is computed here, which needs k_start = 0)."""
+        return self.ops(q).attention(q, k, v, self.scale, q_start, k_start)
 
     def init_gates(self):
         """Set the variant's own parameters to their documented init (Model calls this after
         its generic init, which would otherwise overwrite them)."""
 
-    # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
+    # -- not the method (skip it): how it runs (forward, the KV cache, the operations, recording) and what the plan, FLOP count, budget check, conversion, analysis read
     # Every variant groups these members at the end of its class, under this line.
+
+    def forward(self, x_BTC, cos, sin, start, cache=None):
+        """x: the block's normalized input (B, T, C); cos/sin: (T, D) for positions start ..
+        start + T - 1 (`start` a Python int). With a model.KVCache, the keys, values and
+        summaries of earlier tokens are read from it, and this step's written into it."""
+        B, T, _ = x_BTC.shape
+        q, k, v = self.project(x_BTC, cos, sin)
+        k_start, summary = start, None
+        if cache is not None:
+            k, v, k_start, summary = cache.update(self, q, k, v, x_BTC, start)  # (B, Hkv, S, D), S = cached + T
+        if self.notes is not None:  # recording: this forward's notes only
+            self.notes = {}
+        y = self.attend(q, k, v, x_BTC, start, k_start, summary)  # (B, H, T, D)
+        if cache is not None:
+            cache.trim(self.oldest_key_needed(start + T))
+        if self.notes is not None:
+            self.observe(q, k, v, x_BTC, start, k_start, summary)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+    def ops(self, q):
+        """The operations that run for the queries q (attention.ops: the config's kernel, the
+        device, and how many query rows: a decoding step's few rows get kernels.DECODE); given a
+        device instead of q, those for many rows."""
+        if torch.is_tensor(q):
+            return ops(self.cfg.kernel, q.device, q.shape[2])
+        return ops(self.cfg.kernel, q)
+
+    def summarise(self, q, k, v, x, start):
+        """The summaries of the keys the variant's selection reads, one per window of positions
+        (`summary_window`), of the complete windows among positions start .. (q, k, v, x of
+        those positions, start a window boundary); None for a variant without."""
+        return None
+
+    def summary_window(self):
+        """(length, stride) of the windows `summarise` summarises (window i covers positions
+        i stride .. i stride + length - 1), or None. The KV cache appends a window's summary
+        once its last position arrives."""
+        return None
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        """While recording (`record_gates`), after `attend`: note what analysis reads of this
+        forward (gates, selections), from the same stages `attend` ran on the same inputs."""
+
     # How --init_from finds it: what its new parameters start as on a pretrained dense model
     FROM_PRETRAINED = "the checkpoint's own attention"
     # what analysis reads: one mechanism, `note`; and what analyze.py draws of the notes
@@ -413,8 +468,8 @@ class LocalAttention(CausalSelfAttention):
     """`local`: softmax(q k^T / sqrt(d)) v over i - W <= j <= i (sliding window, as in
     [Longformer]; the "Local" row of [CAA], validation loss 5.021). W = cfg.window (256)."""
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        return self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        return self.ops(q).attention(q, k, v, self.scale, q_start, k_start, window=self.cfg.window)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
@@ -477,17 +532,20 @@ class DynamicSparseAttention(CausalSelfAttention):
             return None, 0
         return cfg.window, (cfg.dsa_threshold if cfg.dsa_window == "adaptive" else 0)
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
         window, window_from = self.window()
-        y = self.ops(q.device).attention(q, k, v, self.scale, q_start, k_start, window, window_from)
+        y = self.ops(q).attention(q, k, v, self.scale, q_start, k_start, window, window_from)
         if not self.cfg.dsa_gate:
             return y
         g = torch.sigmoid(self.head_gate(x))  # (B, T, H)
-        self.note("head_gate", g)
         return y * g.transpose(1, 2).unsqueeze(-1).to(y.dtype)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = "not neutral: its head gates start at sigmoid(0) = 0.5, halving every head's output"
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        if self.cfg.dsa_gate:
+            self.note("head_gate", lambda: torch.sigmoid(self.head_gate(x)))
 
     def oldest_key_needed(self, next_pos):
         window, window_from = self.window()
@@ -608,18 +666,16 @@ class ASGAttention(CausalSelfAttention):
         k_term = torch.einsum("bhsd,hdr->bhsr", F.layer_norm(k, (D,)), self.w1_k)
         return q_term + self.b1[None, :, None, :], k_term
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        cfg, op = self.cfg, self.ops(q.device)
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        cfg, op = self.cfg, self.ops(q)
         scale = self.scale  # alpha = softplus(gamma) q.k / sqrt(d): one scale per head
         if cfg.asga_scale:
             scale = F.softplus(self.gamma) * self.scale  # (H,)
-            self.note("scale", lambda: F.softplus(self.gamma)[None, None, :])  # (1, 1, H)
         if cfg.asga_gate == "off":
             return op.attention(q, k, v, scale, q_start, k_start)
         if cfg.asga_gate == "fixed":
             return op.attention(q, k, v, scale, q_start, k_start, window=cfg.window)
         q_term, k_term = self.pair_terms(q, k)  # (B, H, T, r), (B, H, S, r)
-        self.note("pair_gate", lambda: op.mean_pair_gate(q_term, k_term, self.w2, self.b2, q_start, k_start))
         return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
                                        q_start, k_start, cfg.asga_gate_space)
 
@@ -627,6 +683,13 @@ class ASGAttention(CausalSelfAttention):
     FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
                        "temperature of 2)")
     DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        if self.cfg.asga_scale:
+            self.note("scale", lambda: F.softplus(self.gamma)[None, None, :])  # (1, 1, H)
+        if self.cfg.asga_gate == "learned":
+            self.note("pair_gate", lambda: self.ops(q).mean_pair_gate(*self.pair_terms(q, k), self.w2, self.b2,
+                                                                      q_start, k_start))
 
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window) if self.cfg.asga_gate == "fixed" else 0
@@ -684,6 +747,18 @@ def topk_mask(logits, causal, k_per_query):
     return (visible >= kth) & causal  # & causal: never a future key, even where kth = -inf
 
 
+def soft_edge(width_BHT, tau):
+    """caa's soft window edge, as a bias(b, h, t, dist) for `attention`: query t (of batch row
+    b, head h) and a key dist = (query position) - (key position) tokens back get
+    log sigmoid((w_t - dist) / tau), about 0 for keys within the width w_t, falling by one
+    per tau tokens past it. width_BHT (B, H, T): w_t for every query. (kernels.log_sigmoid:
+    F.logsigmoid fails inside a FlexAttention score_mod on CUDA.)"""
+    def bias(b, h, t, dist):
+        return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / tau)
+
+    return bias
+
+
 class ContextAdaptiveAttention(CausalSelfAttention):
     """`caa`: Context-Adaptive Attention ([CAA]; validation loss 4.712, 2.1x memory).
 
@@ -735,40 +810,35 @@ class ContextAdaptiveAttention(CausalSelfAttention):
         pos = torch.arange(q_start, q_start + T, device=device)
         return torch.ceil(torch.sqrt(pos.double() + 1)).long(), math.isqrt(q_start + T - 1) + 1
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        cfg, op = self.cfg, self.ops(q.device)
+    def local_width(self, x):
+        """(B, T): w = W + (W_max - W) sigmoid(u . x), in float32 at least (autocast's Linear
+        gives bf16, where a width in [256, 512] moves in steps of 2 tokens)."""
+        W, W_max = self.cfg.window, self.cfg.caa_window_max
+        return W + (W_max - W) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
+
+    def mix(self, x):
+        """(B, T, H): the gate g(x) = sigmoid(W2 GELU(W1 x + b1) + b2), in float32 at least."""
+        return torch.sigmoid(at_least_float32(self.mix_gate(x)))
+
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        cfg, op = self.cfg, self.ops(q)
         T = q.shape[2]
         # A forced gate (g = 1 or 0) skips the branch it multiplies by zero.
         local = glob = None
         if cfg.caa_gate != "global":
-            # w = W + (W_max - W) sigmoid(u . x), (B, T), in float32 at least: autocast's Linear gives bf16,
-            # where a width in [256, 512] moves in steps of 2 tokens (and FlexAttention sums the captured
-            # width's gradient in its dtype)
-            W, W_max = cfg.window, cfg.caa_window_max
-            width = W + (W_max - W) * torch.sigmoid(at_least_float32(self.width(x)[..., 0]))
-            self.note("window", lambda: width[..., None])
-
-            # one copy per head: read by (b, h, t), a FlexAttention gradient element takes the
-            # atomic adds of one query's keys, not of every head's (kernels.py, "captured")
-            width_BHT = width[:, None, :].expand(-1, q.shape[1], -1).contiguous()
-
-            def boundary(b, h, t, dist):  # log sigmoid((w_i - (i - j)) / tau), the soft window edge
-                # (kernels.log_sigmoid: F.logsigmoid fails inside a FlexAttention score_mod on CUDA)
-                return kernels.log_sigmoid((width_BHT[b, h, t] - dist) / cfg.caa_tau)
-
-            local = op.attention(q, k, v, self.scale, q_start, k_start, window=W_max, bias=boundary)
+            # the local width, one copy per head (kernels.py, `per_row`: a FlexAttention gradient
+            # element then takes the atomic adds of one query's keys, not of every head's)
+            width_BHT = self.local_width(x)[:, None, :].expand(-1, q.shape[1], -1).contiguous()
+            local = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.caa_window_max,
+                                 bias=soft_edge(width_BHT, cfg.caa_tau))
         if cfg.caa_gate != "local":
             if cfg.caa_topk == "all":
                 glob = op.attention(q, k, v, self.scale, q_start, k_start)
             else:
                 glob = op.topk_attention(q, k, v, self.scale, q_start, k_start, *self.k_per_query(q_start, T, q.device))
         if cfg.caa_gate != "learned":
-            forced = float(cfg.caa_gate == "local")
-            self.note("mix_gate", lambda: torch.full((q.shape[0], T, self.n_head), forced, device=q.device))
             return glob if local is None else local
-        g = torch.sigmoid(at_least_float32(self.mix_gate(x)))  # (B, T, H)
-        self.note("mix_gate", g)
-        g = g.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+        g = self.mix(x).transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
         # eq. 1, g L + (1 - g) G, written G + g (L - G) in float32 at least: the gate's gradient
         # is sum_d dy (L - G), which bf16 loses where the branches nearly agree
         dtype, local, glob = local.dtype, at_least_float32(local), at_least_float32(glob)
@@ -779,6 +849,16 @@ class ContextAdaptiveAttention(CausalSelfAttention):
                        "normalised attentions (its local branch and its top-k branch)")
     DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
                 ("window", "local window width (tokens) per layer", False))
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        cfg = self.cfg
+        if cfg.caa_gate != "global":
+            self.note("window", lambda: self.local_width(x)[..., None])
+        if cfg.caa_gate == "learned":
+            self.note("mix_gate", lambda: self.mix(x))
+        else:  # forced to 1 (local) or 0 (global)
+            self.note("mix_gate", lambda: torch.full((q.shape[0], q.shape[2], self.n_head),
+                                                     float(cfg.caa_gate == "local"), device=q.device))
 
     @classmethod
     def check_config(cls, cfg):
@@ -881,45 +961,36 @@ class CombinerAttention(CausalSelfAttention):
     summaries of all earlier blocks. s = cfg.window (256). No parameters beyond q, k, v, o.
     Cost O(T (s + T/s)) time and memory (kernels.py), O(T sqrt T) at s ~ sqrt T.
 
-    This project's choice: with a KV cache, `cache.state` holds kbar, vbar of every completed
-    block and the running max of the queries of the last token's block, and the cache keeps
-    that block's keys only, so decoding is exact with O(s + T/s) keys per layer.
+    `summarise` makes kbar, vbar of every complete block; `attend` reads them and the keys of
+    the queries' own blocks.
     """
 
-    def summaries(self, q, k, v, q_start, k_start, cache=None):
-        """kbar (B, Hkv, R, D), vbar (B, H, R, D) of blocks 0 .. R-1, R = block of the last
-        query: those in cache.state and those completed since, from the keys in k (a summary
-        value needs the max over *all* its block's queries, some seen in earlier steps).
-        Queries sit at positions q_start.., keys at k_start.., both runs ending together."""
-        s, T = self.cfg.window, q.shape[2]
-        state = {} if cache is None else cache.state
-        n = state["kbar"].shape[2] if state else 0  # blocks already summarised
-        R = (q_start + T - 1) // s
-        if k_start > n * s or (not state and q_start > n * s):
-            raise ValueError(f"combiner needs every earlier block (queries from {q_start}, keys "
-                             f"from {k_start}, block {s}): run from position 0, or decode with the "
-                             "KVCache that holds the summaries of the earlier blocks")
-        # qbar of blocks n .. R; the queries of block n before q_start came in earlier steps.
-        qbar = to_blocks(q, q_start - n * s, s, float("-inf")).amax(dim=3)  # (B, H, R + 1 - n, D)
-        if "qmax" in state:
-            qbar = torch.cat([torch.maximum(qbar[:, :, :1], state["qmax"]), qbar[:, :, 1:]], 2)
-        keys = slice(n * s - k_start, R * s - k_start)  # blocks n .. R-1, complete
-        kbar, vbar = combiner_summaries(qbar[:, :, :R - n], to_blocks(k[:, :, keys], 0, s, 0.0),
-                                        to_blocks(v[:, :, keys], 0, s, 0.0), self.scale)
-        if state:
-            kbar, vbar = torch.cat([state["kbar"], kbar], 2), torch.cat([state["vbar"], vbar], 2)
-        if cache is not None:
-            cache.state.update(kbar=kbar, vbar=vbar, qmax=qbar[:, :, -1:])
-        return kbar, vbar
+    def summarise(self, q, k, v, x, start):
+        """kbar (B, Hkv, R, D), vbar (B, H, R, D) of the R complete blocks among the positions
+        start .. of q, k and v (start: a block's first position): a span's value needs the
+        max over all of its block's queries, so the queries of every earlier block are read."""
+        s = self.cfg.window
+        if start % s or q.shape[2] != k.shape[2]:
+            raise ValueError(f"combiner summarises whole blocks of {s} from their queries and keys (queries from "
+                             f"{start}, {q.shape[2]} queries, {k.shape[2]} keys): run from position 0, or pass `summary`, "
+                             f"the summaries of every earlier block")
+        R = k.shape[2] // s
+        qbar = to_blocks(q[:, :, :R * s], 0, s, 0.0).amax(dim=3)  # (B, H, R, D)
+        return combiner_summaries(qbar, to_blocks(k[:, :, :R * s], 0, s, 0.0), to_blocks(v[:, :, :R * s], 0, s, 0.0),
+                                  self.scale)
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        kbar, vbar = self.summaries(q, k, v, q_start, k_start, cache)
-        return self.ops(q.device).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start,
-                                                     self.cfg.window)
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        kbar, vbar = self.summarise(q, k, v, x, k_start) if summary is None else summary
+        return self.ops(q).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start, self.cfg.window)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = ("no new parameters: blocks and max-pooled summaries of the pretrained keys, "
                        "training-free")
+
+    def summary_window(self):
+        # one summary per block: a decoding step reads them and its own block's keys (the cache
+        # keeps that block's keys and queries until it completes), O(s + T/s) per layer
+        return self.cfg.window, self.cfg.window
 
     def oldest_key_needed(self, next_pos):
         # Keep the block of the last token: once complete, the next step summarises it.
@@ -942,20 +1013,15 @@ class CombinerAttention(CausalSelfAttention):
 
 
 # ---------------------------------------------------------------------------- shared by nsa and moba
-# Block selection and block attention: `top_blocks` (nsa_top_blocks, moba_select), `block_attention`
-# (nsa's selected branch, moba's one branch) and `need_every_key` (both keep every key).
+# Block selection and block attention: `top_blocks` (nsa_top_blocks, moba_select) and
+# `block_attention` (nsa's selected branch, moba's one branch).
 
 def top_blocks(scores, valid, forced, n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
-    the slots left when fewer than n are valid. The tie rule: equal scores go to the most
-    recent block (a stable sort of the blocks taken most recent first), so equal scores read as
-    a window. scores (.., T, J) float, valid and forced (T, J) bool. No gradient: the choice of
-    blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
-    scores = scores.detach().float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-    if scores.shape[-1] < n:  # fewer blocks than slots: the spare slots stay empty
-        scores = F.pad(scores, (0, n - scores.shape[-1]), value=float("-inf"))
-    top, order = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
-    return (scores.shape[-1] - 1 - order[..., :n]).masked_fill(top[..., :n] == float("-inf"), -1)
+    the slots left when fewer than n are valid; equal scores go to the most recent block
+    (`top_n`), so equal scores read as a window. scores (.., T, J) float, valid and forced
+    (T, J) bool. No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    return top_n(scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf")), n)
 
 
 def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
@@ -972,11 +1038,6 @@ def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     chosen = (blocks[:, :, :, None, :] == key_block[:, None]).any(-1)  # (B, H, T, S)
     mask = chosen & allowed(T, S, q_start, k_start, q.device)
     return softmax_or_zero(logits, mask).to(v.dtype) @ v
-
-
-def need_every_key(name, k_start):
-    if k_start != 0:
-        raise ValueError(f"{name} needs every key from position 0 (k_start={k_start}): its KV cache is never trimmed")
 
 
 # ---------------------------------------------------------------------------- nsa
@@ -1096,32 +1157,54 @@ class NativeSparseAttention(CausalSelfAttention):
             pooled = pooled + self.compress_mlp[which](flat).to(pooled.dtype)
         return pooled
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        cfg, op = self.cfg, self.ops(q.device)
-        need_every_key("nsa", k_start)
-        B, H, T, _ = q.shape
-        l, d, block = cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block
-        k_cmp, v_cmp = self.compress(k, "k"), self.compress(v, "v")  # eq. 7
+    def summarise(self, q, k, v, x, start):
+        """K^cmp, V^cmp (B, Hkv, C, D): eq. 7 over the keys and values (start: a multiple of d)."""
+        return self.compress(k, "k"), self.compress(v, "v")
+
+    def select(self, q, k_cmp, q_start):
+        """(B, H, T, n): the blocks each query reads (eqs. 8-12), from the compressed keys."""
+        cfg = self.cfg
+        J = ceil_div(q_start + q.shape[2], cfg.nsa_block)  # blocks up to the last query's own
+        scores = self.ops(q).block_scores(q, k_cmp, self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
+                                          cfg.nsa_block, J)  # eqs. 8-9
+        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head)  # eqs. 10-12
+
+    def branch_gates(self, x):
+        """(3, B, H, T, 1): g_t^c = sigmoid(W_g x_t + b_g), branch-major: the 3 H outputs of W_g
+        are read as (branch, head), branches in the order cmp, slc, win (`BRANCHES`)."""
+        B, T, _ = x.shape
+        return torch.sigmoid(self.branch_gate(x)).view(B, T, 3, self.n_head).permute(2, 0, 3, 1)[..., None]
+
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        cfg, op = self.cfg, self.ops(q)
+        k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary  # eq. 7
         out = {}
-        if "cmp" in self.branches:
-            out["cmp"] = op.compressed_attention(q, k_cmp, v_cmp, self.scale, q_start, l, d)  # eq. 8
-        J = ceil_div(q_start + T, block)  # blocks up to the last query's own
-        scores = op.block_scores(q, k_cmp, self.scale, q_start, l, d, block, J)  # eqs. 8-9
-        blocks = nsa_top_blocks(scores, q_start, block, cfg.nsa_topk, self.n_kv_head)  # eqs. 10-12
-        if "slc" in self.branches:
-            out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, block, blocks)
+        if "cmp" in self.branches:  # eq. 8
+            out["cmp"] = op.compressed_attention(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
+                                                 cfg.nsa_cmp_stride)
+        if "slc" in self.branches:  # eqs. 9-12
+            blocks = self.select(q, k_cmp, q_start)
+            out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
         if "win" in self.branches:
             out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
-        g = torch.sigmoid(self.branch_gate(x)).view(B, T, 3, H).permute(2, 0, 3, 1)[..., None]  # (branch, B, H, T, 1)
-        for i, name in enumerate(self.BRANCHES):
-            self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)
-        self.note("selection", blocks)
-        self.note("selected_distance", lambda: block_distance(blocks, q_start, block))
+        g = self.branch_gates(x)
         return sum(g[self.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in self.branches)  # eq. 5
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = ("not neutral: its three branch gates start at sigmoid(0) = 0.5, so the output is 1.5 "
                        "attention outputs")
+
+    def summary_window(self):
+        return self.cfg.nsa_cmp_block, self.cfg.nsa_cmp_stride  # one compressed key and value per window
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        k_cmp = (self.summarise(q, k, v, x, k_start) if summary is None else summary)[0]
+        blocks = self.select(q, k_cmp, q_start)
+        g = self.branch_gates(x)
+        for i, name in enumerate(self.BRANCHES):
+            self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)
+        self.note("selection", blocks)
+        self.note("selected_distance", lambda: block_distance(blocks, q_start, self.cfg.nsa_block))
 
     @classmethod
     def check_config(cls, cfg):
@@ -1184,20 +1267,28 @@ class NativeSparseAttention(CausalSelfAttention):
 
 # ---------------------------------------------------------------------------- moba
 
-def moba_select(q, k, q_start, block, topk):
+def block_means(k, block):
+    """(B, Hkv, J, D) float32: K_bar_j, the mean of the keys k (B, Hkv, S, D) over each complete
+    block j of `block` positions (block j: positions j B .. j B + B - 1 of k)."""
+    B, Hkv, S, D = k.shape
+    J = S // block
+    return k[:, :, :J * block].float().view(B, Hkv, J, block, D).mean(3)
+
+
+def moba_select(q, means, q_start, block, topk):
     """(B, H, T, topk): the blocks each query reads ([MoBA] eqs. 5-6), from q (B, H, T, D)
-    and the keys k (B, Hkv, S, D) from position 0.
-        K_bar_j = the mean of k over block j, j B .. j B + B - 1 (complete blocks only)
+    and the means (B, Hkv, J, D) of the complete blocks from position 0 (`block_means`):
         s_j = q_t . K_bar_j                                                   (eq. 5)
         g_j = 1 iff j is the query's own block, or among the top k - 1 of its
               earlier blocks j < floor(t / B) by s_j                           (eq. 6)
     Per query head, in float32, without gradient (the gate is discrete)."""
     B, H, T, D = q.shape
     J = ceil_div(q_start + T, block)  # blocks up to the last query's own
-    full = k.shape[2] // block  # complete blocks among the keys
-    means = k[:, :, :full * block].float().view(B, k.shape[1], full, block, D).mean(3)  # (B, Hkv, full, D)
-    scores = q.detach().float() @ expand_kv(means.detach(), H).transpose(-2, -1)  # (B, H, T, full)
-    scores = F.pad(scores, (0, J - full))  # the incomplete block, which only its own queries see
+    full = means.shape[2]  # complete blocks
+    scores = q.detach().float() @ expand_kv(means.detach().float(), H).transpose(-2, -1)  # (B, H, T, full)
+    # The incomplete last block has no mean; its score is a 0 pad, read only by that block's
+    # own queries, for which it is forced (its score is never compared).
+    scores = F.pad(scores, (0, J - full))
     own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
     j = torch.arange(J, device=q.device)
     return top_blocks(scores, j <= own, j == own, topk)
@@ -1219,20 +1310,31 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     full attention there). model.py's moba_full_last = m makes the last m layers full
     attention (the paper's layer-wise hybrid, §3.2: 3 of 32 layers for Llama-8B-1M).
     Sizes: the paper uses B = 512, k = 3 at 8K tokens (Table 1). Here B = moba_block = 64,
-    k = moba_topk = 4 at T = 1024 (at most 256 keys, `local`'s budget at W = 256); the cpu
-    preset at T = 256: B = 16, k = 4 (at most 64 keys). The KV cache keeps every key.
+    k = moba_topk = 4 at T = 1024 (at most 256 keys a query; `local` at W = 256 reads 257);
+    the cpu preset at T = 256: B = 16, k = 4 (at most 64 keys).
     """
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
+    def summarise(self, q, k, v, x, start):
+        """K_bar (B, Hkv, J, D): the means of the complete blocks of k (start: a block boundary)."""
+        return block_means(k, self.cfg.moba_block)
+
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
         cfg = self.cfg
-        need_every_key("moba", k_start)
-        blocks = moba_select(q, k, q_start, cfg.moba_block, cfg.moba_topk)  # (B, H, T, k)
-        self.note("selection", blocks)
-        self.note("selected_distance", lambda: block_distance(blocks, q_start, cfg.moba_block))
-        return self.ops(q.device).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
+        means = self.summarise(q, k, v, x, k_start) if summary is None else summary
+        blocks = moba_select(q, means, q_start, cfg.moba_block, cfg.moba_topk)  # (B, H, T, k)
+        return self.ops(q).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = "no new parameters: blocks chosen by the pretrained keys' block means, training-free"
+
+    def summary_window(self):
+        return self.cfg.moba_block, self.cfg.moba_block  # one mean per block
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        means = self.summarise(q, k, v, x, k_start) if summary is None else summary
+        blocks = moba_select(q, means, q_start, self.cfg.moba_block, self.cfg.moba_topk)
+        self.note("selection", blocks)
+        self.note("selected_distance", lambda: block_distance(blocks, q_start, self.cfg.moba_block))
 
     @classmethod
     def check_config(cls, cfg):
@@ -1276,8 +1378,9 @@ class LightningIndexer(nn.Module):
         q^I_t = W_q x_t, split into J heads of d      k^I_t = LayerNorm(W_k x_t)  (one key per token)
         RoPE on the first d/2 dims of both (the model's rotate-half RoPE at d/2; [DS32] ropes
         its first rope_head_dim = d/2 too)     w_t = W_w x_t * J^{-1/2}  (may be negative)
-    Sizes J = index_heads, d = index_head_dim. Init: the model's N(0, 0.02) for the three
-    projections, LayerNorm gain 1 and bias 0."""
+    Sizes J = index_heads, d = index_head_dim. Its projections start as the model's
+    initialisation leaves them (Model draws every Linear weight from N(0, 0.02)); LayerNorm
+    starts at gain 1 and bias 0."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -1296,13 +1399,20 @@ class LightningIndexer(nn.Module):
         rotated = apply_rope(x[..., :half], cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype))
         return torch.cat([rotated, x[..., half:]], dim=-1)
 
-    def forward(self, x_BTC, start):
-        """-> queries (B, T, J, d), keys (B, T, d), head weights (B, T, J) of positions start .."""
+    def queries(self, x_BTC, start):
+        """-> queries (B, T, J, d) and head weights (B, T, J) of positions start .."""
         B, T, _ = x_BTC.shape
         q = self.rope(self.q_proj(x_BTC).view(B, T, self.n_head, self.head_dim), start)
-        k = self.rope(self.k_norm(self.k_proj(x_BTC)), start)
-        w = self.weights_proj(x_BTC) * self.n_head ** -0.5
-        return q, k, w
+        return q, self.weights_proj(x_BTC) * self.n_head ** -0.5
+
+    def keys(self, x_BTC, start):
+        """-> keys (B, T, d) of positions start .."""
+        return self.rope(self.k_norm(self.k_proj(x_BTC)), start)
+
+    def forward(self, x_BTC, start):
+        """-> queries (B, T, J, d), keys (B, T, d), head weights (B, T, J) of positions start .."""
+        q, w = self.queries(x_BTC, start)
+        return q, self.keys(x_BTC, start), w
 
 
 def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
@@ -1318,17 +1428,10 @@ def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
 
 def top_keys(scores, n):
     """(B, T, n) long: each query's n keys of highest score, -1 in the slots beyond its
-    visible keys (-inf scores). The tie rule: equal scores go to the most recent key. ReLU
-    makes exact zeros common, so ties are frequent: an indexer whose scores are all 0 picks
-    the n most recent keys, a window. scores (B, T, S). No gradient."""
-    S = scores.shape[-1]
-    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
-    if S < n:  # fewer keys than slots: the spare slots stay empty
-        recent_first = F.pad(recent_first, (0, n - S), value=float("-inf"))
-    # a stable sort keeps equal scores in column order, i.e. the most recent key first
-    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
-    keys = S - 1 - order[..., :n]
-    return keys.masked_fill(top[..., :n] == float("-inf"), -1)
+    visible keys (-inf scores); equal scores go to the most recent key (`top_n`). ReLU makes
+    exact zeros common, so ties are frequent: an indexer whose scores are all 0 picks the n
+    most recent keys, a window. scores (B, T, S). No gradient."""
+    return top_n(scores, n)
 
 
 @torch.no_grad()
@@ -1361,15 +1464,17 @@ def indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     """L^I ([DS32] §2.1, eqs. 3-4): the mean over queries of KL(p_t || softmax(I[t, :])) over
     the visible keys (keys None: the dense warm-up) or over the listed keys (B, T, n) (the
     sparse stage). p_t: the main attention's probabilities (q, k without gradient) summed over
-    heads and L1-normalised; I = lightning_scores, with gradient (into the indexer alone)."""
+    heads and L1-normalised, which is their mean over the H heads (each head's row sums to 1);
+    I = lightning_scores, with gradient (into the indexer alone)."""
     B, H, T, _ = q.shape
-    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S), -inf where not visible
+    S = k.shape[2]
+    scores = lightning_scores(q_idx, k_idx, w, q_start, k_start)  # (B, T, S)
     with torch.no_grad():
         logits = (q.detach().float() @ expand_kv(k.detach().float(), H).transpose(-2, -1)) * scale
-        visible = scores.isfinite()[:, None]  # (B, 1, T, S)
+        visible = allowed(T, S, q_start, k_start, q.device)[None, None]  # (1, 1, T, S)
         if keys is not None:
-            visible = visible & listed(keys, k.shape[2])[:, None]
-        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): summed over heads, L1-normalised
+            visible = visible & listed(keys, S)[:, None]  # (B, 1, T, S)
+        p = softmax_or_zero(logits, visible).mean(1)  # (B, T, S): the heads' mean
     log_i = torch.log_softmax(scores.masked_fill(~visible[:, 0], float("-inf")), dim=-1)
     kl = torch.xlogy(p, p) - p * log_i.masked_fill(p == 0, 0.0)
     return kl.sum() / (B * T)
@@ -1394,9 +1499,9 @@ class IndexerAttention(CausalSelfAttention):
     What this project chose apart from the paper: no MLA and no query latent (the indexer
     reads x); no FP8 and no Hadamard rotation (numerics for speed). Sizes: index_heads = 4 of
     index_head_dim = 64 (the paper: 64 of 128; 4 x 64 against our 12 x 64 heads keeps the
-    paper's indexer-to-attention cost per score); k = index_topk, 0 meaning the window, so
-    `indexer` and `local` see as many keys per query (the paper: 2048 at up to 128K). The
-    scores are dense O(T^2) by design (the paper's are).
+    paper's indexer-to-attention cost per score); k = index_topk, 0 meaning the window W (so
+    the indexer reads W keys a query where `local` reads W + 1; the paper: 2048 at up to
+    128K). The scores are dense O(T^2) by design (the paper's are).
     """
 
     def __init__(self, cfg):
@@ -1414,38 +1519,45 @@ class IndexerAttention(CausalSelfAttention):
     def topk(self):
         return self.cfg.index_topk or self.cfg.window
 
-    def index_inputs(self, x, q_start, S, cache=None):
-        """The indexer's queries, weights (for the T queries in x) and keys (for the S keys),
-        from the detached x; with a KV cache the earlier keys come from its `state`, which keeps all."""
-        q_idx, k_idx, w = self.indexer(x.detach(), q_start)
-        if cache is not None:
-            if "index_keys" in cache.state:
-                k_idx = torch.cat([cache.state["index_keys"], k_idx], dim=1)  # (B, S, d)
-            cache.state["index_keys"] = k_idx
-        if k_idx.shape[1] != S:
-            raise ValueError(f"indexer: {k_idx.shape[1]} indexer keys for {S} keys; decode through the model's "
-                             f"KV cache, which keeps them")
-        return q_idx, k_idx, w
+    def summarise(self, q, k, v, x, start):
+        """k^I (B, S, d): the indexer's key of every position start .. of x (its input is
+        detached: the indexer learns from L^I alone)."""
+        if x.shape[1] != k.shape[2]:
+            raise ValueError(f"indexer: x holds {x.shape[1]} positions for {k.shape[2]} keys: its keys come from x at "
+                             f"every key's position; pass `summary`, the indexer keys of the earlier positions")
+        return self.indexer.keys(x.detach(), start)
 
-    def attend(self, q, k, v, x, q_start, k_start, cache=None):
-        op = self.ops(q.device)
-        q_idx, k_idx, w = self.index_inputs(x, q_start, k.shape[2], cache)
+    def attend(self, q, k, v, x, q_start, k_start, summary=None):
+        op = self.ops(q)
+        q_idx, w = self.indexer.queries(x.detach(), q_start)
+        k_idx = self.summarise(q, k, v, x, k_start) if summary is None else summary
         keys = None  # the dense warm-up: every visible key
         if self.dense_warmup:
             y = op.attention(q, k, v, self.scale, q_start, k_start)
         else:
             keys = op.indexer_topk(q_idx, k_idx, w, q_start, k_start, self.topk)  # S_t, (B, T, n)
             y = op.selected_attention(q, k, v, self.scale, q_start, k_start, keys)  # eq. 2
-            self.note("selection", keys)
-            self.note("selected_distance", lambda: key_distance(keys, q_start, k_start))
-            self.note("kept_mass", lambda: kept_mass(q, k, self.scale, keys, q_start, k_start))
-        self.loss.value = (op.indexer_kl(q, k, self.scale, q_idx, k_idx, w, q_start, k_start, keys)
-                           if self.training else None)
+        # L^I (eqs. 3-4) after a forward in training mode, the indexer's own loss (train.py adds it)
+        self.loss.value = op.indexer_kl(q, k, self.scale, q_idx, k_idx, w, q_start, k_start, keys) if self.training \
+            else None
         return y
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
                        "until the indexer's KL warm-up trains it")
+
+    def summary_window(self):
+        return 1, 1  # one indexer key per position
+
+    def observe(self, q, k, v, x, q_start, k_start, summary):
+        if self.dense_warmup:
+            return
+        q_idx, w = self.indexer.queries(x.detach(), q_start)
+        k_idx = self.summarise(q, k, v, x, k_start) if summary is None else summary
+        keys = self.ops(q).indexer_topk(q_idx, k_idx, w, q_start, k_start, self.topk)
+        self.note("selection", keys)
+        self.note("selected_distance", lambda: key_distance(keys, q_start, k_start))
+        self.note("kept_mass", lambda: kept_mass(q, k, self.scale, keys, q_start, k_start))
 
     @classmethod
     def check_config(cls, cfg):
@@ -1586,15 +1698,20 @@ REFERENCE = kernels.Ops(
     indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate)
 
 
-def ops(kernel, device):
+def ops(kernel, device, rows=None):
     """The one place that picks which implementation of the operations runs.
     'ref': this file. 'flex': kernels.py's FlexAttention + SDPA path on any device.
     'fused': the best path for the device: FlexAttention + SDPA on CUDA; on CPU, where
     FlexAttention has no backward, kernels.py's blockwise path (faster than the reference
     at every measured length, see benchmarks/attention.py). 'blockwise': that path on any
-    device (train.py's preflight falls back to it where FlexAttention fails on a GPU)."""
+    device (train.py's preflight falls back to it where FlexAttention fails on a GPU).
+    Whichever of the last three, a call of at most kernels.DECODE_ROWS query rows (`rows`: a
+    decoding step, a short prompt) gets kernels.DECODE: forms that read, of a long KV cache,
+    only the keys and summaries the selection names, with no compile and no mask per length."""
     if kernel == "ref":
         return REFERENCE
+    if rows is not None and rows <= kernels.DECODE_ROWS:
+        return kernels.DECODE
     if kernel == "blockwise":
         return kernels.BLOCKWISE
     if kernel == "flex" or torch.device(device).type == "cuda":
@@ -1609,6 +1726,8 @@ def attention_path(cfg, device):
     how = ""
     if chosen is kernels.FLEX:
         how = ", compiled" if kind == "cuda" else ", uncompiled (no backward for q, k, v on CPU)"
+    if chosen is not REFERENCE:
+        how += f"; calls of <= {kernels.DECODE_ROWS} query rows (decoding): {kernels.DECODE.name}"
     return f"kernel={cfg.kernel}: {chosen.name}{how}, on {kind}"
 
 

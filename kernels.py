@@ -1145,15 +1145,17 @@ def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
     return scores.masked_fill(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
 
 
-def _top_keys(scores, n):
-    """attention.top_keys as written there: the n best keys, ties to the most recent, -1 past
-    the visible ones."""
+def _top_n(scores, n):
+    """attention.top_n as written there: each row's n highest scores' indices, highest first,
+    ties to the higher index, -1 where the score is -inf; one top-k, no sort."""
     S = scores.shape[-1]
-    recent_first = scores.detach().flip(-1)  # key S - 1 - c at column c
     if S < n:
-        recent_first = F.pad(recent_first, (0, n - S), value=NEG_INF)
-    top, order = recent_first.sort(dim=-1, descending=True, stable=True)
-    return (S - 1 - order[..., :n]).masked_fill(top[..., :n] == NEG_INF, -1)
+        scores = F.pad(scores, (0, n - S), value=NEG_INF)
+    bits = (scores.detach().float() + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    top = ((ordered.long() << 32) | index).topk(n, dim=-1).indices
+    return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
 
 
 @torch.no_grad()
@@ -1163,7 +1165,7 @@ def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     B, T, J, _ = q_idx.shape
     S = k_idx.shape[1]
     chunks = query_chunks(T, B * J * S, INDEX_SCORES, q_idx.device)
-    return torch.cat([_top_keys(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
+    return torch.cat([_top_n(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
                                 min(n, S)) for t0, t1 in chunks], dim=1)
 
 
@@ -1232,21 +1234,15 @@ BLOCKWISE = Ops(
 # ---------------------------------------------------------------------------- FLEX: the core ops
 
 COMPILE_FLEX = None  # compile FlexAttention and the gathers: None = on CUDA only; True/False forces it (tests)
-# Calls with at most this many query rows (decoding: one token, or a short chunk, against a
-# cache that grows every step) run FlexAttention uncompiled: each new length would be a new
-# compile (dynamo gives up after 8), and uncompiled, a few rows materialize only their own
-# (rows, S) scores.
-DECODE_ROWS = 16
 _compiled = {}  # function -> its compiled form, made on first use by `compile_fn`
 compile_fn = functools.partial(torch.compile, dynamic=False)
 
 
 def compiled_on_gpu(fn, q):
-    """fn compiled where the GPU path compiles (CUDA, or COMPILE_FLEX forced) for calls of
-    more than DECODE_ROWS query rows outside an outer torch.compile (inside one, the plain
-    function is traced into that graph); fn itself elsewhere."""
-    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and q.shape[2] > DECODE_ROWS \
-            and not torch.compiler.is_compiling():
+    """fn compiled where the GPU path compiles (CUDA, or COMPILE_FLEX forced) outside an outer
+    torch.compile (inside one, the plain function is traced into that graph); fn itself
+    elsewhere. (Decode-sized calls never come here: attention.ops gives them DECODE.)"""
+    if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and not torch.compiler.is_compiling():
         if fn not in _compiled:
             _compiled[fn] = compile_fn(fn)
         return _compiled[fn]
@@ -1254,13 +1250,12 @@ def compiled_on_gpu(fn, q):
 
 
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask
-MAX_CACHED_MASKS = 64  # decoding makes one shape per step: keep the cache bounded
+MAX_CACHED_MASKS = 64  # a prefill per prompt length makes a shape each: keep the cache bounded
 
 
 def _run_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=None):
-    """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores) except for
-    decode-sized calls (`DECODE_ROWS`); inside an outer torch.compile the plain function is
-    traced into that graph instead. Triton tile sizes for its kernels come as kernel_options,
+    """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores); inside an
+    outer torch.compile the plain function is traced into that graph instead. Triton tile sizes for its kernels come as kernel_options,
     or in a score_mod's `kernel_options` attribute (`PAIR_GATE_TILES`). lse: also return each
     row's log-sum-exp (B, H, T) float32, natural log, -inf for a row that sees no key (and
     whose output is 0); it differentiates."""
@@ -1506,14 +1501,12 @@ def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
     BlockMask (built once per shape, cached) lists, per 128-query tile, the 128-key tiles
     up to that boundary: the keys read (T C / 2 for a sequence) plus one band of boundary
     tiles (the boundary moves 128 / stride keys per query tile), and the backward is
-    FlexAttention's, never a (T, C) tensor. Decode-sized calls take the dense chunk."""
+    FlexAttention's, never a (T, C) tensor."""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     if C == 0:  # fewer keys than one compressed key covers: no query sees any
         return q.new_zeros(B, H, T, v_cmp.shape[-1])
     q, k_cmp, v_cmp = _same_dtype(q, k_cmp, v_cmp)
-    if T <= DECODE_ROWS:
-        return _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride)
 
     def complete(b, h, i, j):
         return j * stride + length - 1 <= q_start + i
@@ -1655,36 +1648,14 @@ def selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile):
     return SelectionRows(query, mask, pair_row, R)
 
 
-def gathered_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
-    """attention.block_attention for a few queries (decoding, `DECODE_ROWS`): each query's n
-    blocks gathered (T n block keys per head, never the whole cache copied), one softmax."""
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    n = blocks.shape[-1]
-    repeat = ((blocks[..., :, None] == blocks[..., None, :])
-              & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)).any(-1)
-    idx = blocks[..., None] * block + torch.arange(block, device=q.device) - k_start  # (B, H, T, n, block)
-    q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
-    ok = ((blocks >= 0) & ~repeat)[..., None] & (idx >= 0) & (idx < S) & (idx + k_start <= q_pos)
-    head = (torch.arange(H, device=q.device) // (H // Hkv) * S)[:, None, None, None]  # each head's key head
-    flat = (idx.clamp(0, S - 1) + head).view(B, H * T * n * block, 1).expand(-1, -1, D)
-    kg, vg = (x.reshape(B, Hkv * S, D).gather(1, flat).view(B, H, T, n * block, D) for x in (k, v))
-    logits = torch.einsum("bhtd,bhtkd->bhtk", q, kg) * scale
-    p = _softmax_or_zero(logits, ok.view(B, H, T, n * block))
-    return torch.einsum("bhtk,bhtkd->bhtd", p.to(vg.dtype), vg)
-
-
 def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     """attention.block_attention: one FlexAttention call over `selection_rows` (each row one
     query's blocks in one key tile, with its log-sum-exp), then each query's rows merged:
-    out = sum_r exp(lse_r - logsumexp_r lse_r) out_r, 0 where no row sees a key. Decode-sized
-    calls gather their blocks instead (`gathered_block_attention`)."""
+    out = sum_r exp(lse_r - logsumexp_r lse_r) out_r, 0 where no row sees a key."""
     B, H, T, D = q.shape
     S = k.shape[2]
     key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
-    if T <= DECODE_ROWS:
-        return gathered_block_attention(q, k, v, scale, q_start, k_start, block, blocks)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     q_tile, kv_tile, options = selection_tiles(block, grad)
     rows = selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile)
@@ -1784,3 +1755,183 @@ FLEX = Ops(
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
     compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
     indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)
+
+
+# ---------------------------------------------------------------------------- DECODE: a few query rows against a long KV cache
+# A decoding step has one query row (a short prompt a few) against a cache that grows every
+# step, so what it costs is what it reads of the cache. These forms read the keys and
+# summaries the selection names and nothing else: the window's keys as a slice (a view), the
+# selected blocks and keys by index, the summaries the cache keeps (nsa's compressed keys,
+# moba's block means, combiner's spans, the indexer's keys); only what a definition reads of
+# every key does each step read whole (full's keys, asga's gate, caa's ranking, the indexer's
+# scores). The query heads of a key head are stacked as rows of one matmul against that key
+# head (`_head_rows`), so grouped keys are never copied per query head; nothing compiles and
+# no BlockMask is built per cache length. attention.ops picks this set for calls of at most
+# DECODE_ROWS query rows on every path but the reference (a few rows' (rows, S) scores are small).
+
+DECODE_ROWS = 16
+
+
+def _head_rows(q, Hkv):
+    """q (B, H, T, D) -> (B, Hkv, G T, D): the G = H / Hkv query heads of each key head stacked
+    as rows (row g T + t: head h = kv G + g, query t)."""
+    B, H, T, D = q.shape
+    return q.reshape(B, Hkv, H // Hkv * T, D)
+
+
+def _decode_logits(q, k, scale):
+    """(B, H, T, S) float32 logits q . k * scale, k (B, Hkv, S, D) read once per key head;
+    scale a float or one per head (H,)."""
+    B, H, T, _ = q.shape
+    logits = (_head_rows(q, k.shape[1]) @ k.transpose(-2, -1)).float().view(B, H, T, k.shape[2])
+    return logits * (scale.float()[None, :, None, None] if torch.is_tensor(scale) else scale)
+
+
+def _decode_output(p, v):
+    """(B, H, T, D): the probabilities p (B, H, T, S) times the values v (B, Hkv, S, D)."""
+    B, H, T, S = p.shape
+    out = p.to(v.dtype).reshape(B, v.shape[1], H // v.shape[1] * T, S) @ v
+    return out.view(B, H, T, v.shape[-1])
+
+
+def _positions(T, S, q_start, k_start, device):
+    """(T, S) long: each query's position minus each key's."""
+    return (q_start + torch.arange(T, device=device))[:, None] - (k_start + torch.arange(S, device=device))
+
+
+def decode_attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
+    """attention.attention over the keys a query can see: with a window binding every query,
+    the last window + T keys only (a slice of the cache, no copy)."""
+    key_offset(q, k, q_start, k_start)
+    q, k, v = _same_dtype(q, k, v)
+    T = q.shape[2]
+    if window is not None and q_start >= window_from:
+        first = max(0, q_start - window - k_start)
+        k, v, k_start = k[:, :, first:], v[:, :, first:], k_start + first
+    dist = _positions(T, k.shape[2], q_start, k_start, q.device)
+    seen = dist >= 0
+    if window is not None:
+        seen = seen & ((dist <= window) | (q_start + torch.arange(T, device=q.device)[:, None] < window_from))
+    logits = _decode_logits(q, k, scale)
+    if bias is not None:
+        B, H = q.shape[:2]
+        b = torch.arange(B, device=q.device)[:, None, None, None]
+        h = torch.arange(H, device=q.device)[None, :, None, None]
+        t = torch.arange(T, device=q.device)[None, None, :, None]
+        logits = logits + bias(b, h, t, dist[None, None])
+    return _decode_output(_softmax_or_zero(logits, seen), v)
+
+
+PAIR_GATE_HIDDEN = 1 << 24  # decode_pair_gated_attention: hidden units of one chunk of keys (64 MB)
+
+
+def decode_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
+    """attention.pair_gated_attention: the gate of every (query, key) pair ([ASGA] eq. 1, which
+    reads every key), built a chunk of keys at a time (at most PAIR_GATE_HIDDEN hidden units)."""
+    key_offset(q, k, q_start, k_start)
+    q, k, v = _same_dtype(q, k, v)
+    B, H, T, _ = q.shape
+    S, r = k.shape[2], q_term.shape[-1]
+    logits = _decode_logits(q, k, scale)  # (B, H, T, S)
+    step = max(1, PAIR_GATE_HIDDEN // (B * H * T * r))
+    z = torch.cat([(F.gelu(q_term.float()[:, :, :, None] + k_term.float()[:, :, None, c0:c0 + step])
+                    * w2.float()[None, :, None, None]).sum(-1) for c0 in range(0, S, step)], -1)
+    z = z + b2.float()[None, :, None, None]  # (B, H, T, S)
+    logits = logits * torch.sigmoid(z) if gate_space == "logit" else logits + F.logsigmoid(z)
+    return _decode_output(_softmax_or_zero(logits, _positions(T, S, q_start, k_start, q.device) >= 0), v)
+
+
+def decode_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
+    """attention.topk_attention: every visible key scored (the definition ranks them all), the
+    k_i-th highest found by a top-k (a selection, not a sort), every key tied with it kept
+    (attention.topk_mask's tie rule)."""
+    key_offset(q, k, q_start, k_start)
+    q, k, v = _same_dtype(q, k, v)
+    T, S = q.shape[2], k.shape[2]
+    logits = _decode_logits(q, k, scale)
+    seen = _positions(T, S, q_start, k_start, q.device) >= 0
+    visible = logits.masked_fill(~seen, NEG_INF)
+    top = visible.topk(min(k_max, S), -1).values  # (B, H, T, k_max), highest first
+    kth = top.gather(-1, (k_per_query - 1).clamp(max=top.shape[-1] - 1).view(1, 1, T, 1).expand(*top.shape[:3], 1))
+    return _decode_output(_softmax_or_zero(logits, (visible >= kth) & seen), v)
+
+
+def decode_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
+    """attention.combiner_attention: one softmax over the keys of each query's own block (the
+    cache keeps the last block's keys) and the summaries of every earlier block."""
+    key_offset(q, k, q_start, k_start)
+    q, k, v, kbar, vbar = _same_dtype(q, k, v, kbar, vbar)
+    T, S, R = q.shape[2], k.shape[2], kbar.shape[2]
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]  # (T, 1)
+    k_pos = k_start + torch.arange(S, device=q.device)
+    direct = (k_pos <= q_pos) & (k_pos // block == q_pos // block)  # (T, S)
+    span = torch.arange(R, device=q.device) < q_pos // block  # (T, R)
+    logits = torch.cat([_decode_logits(q, k, scale), _decode_logits(q, kbar, scale)], -1)  # (B, H, T, S + R)
+    p = _softmax_or_zero(logits, torch.cat([direct, span], -1))
+    return _decode_output(p[..., :S], v) + (p[..., S:].to(vbar.dtype) @ vbar)
+
+
+def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
+    """attention.block_attention: each query's n blocks gathered from the cache by index (T n
+    block keys per head), one softmax over them."""
+    key_offset(q, k, q_start, k_start)
+    q, k, v = _same_dtype(q, k, v)
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    n = blocks.shape[-1]
+    repeat = ((blocks[..., :, None] == blocks[..., None, :])
+              & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)).any(-1)  # a block listed twice counts once
+    idx = blocks[..., None] * block + torch.arange(block, device=q.device) - k_start  # (B, H, T, n, block)
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
+    ok = ((blocks >= 0) & ~repeat)[..., None] & (idx >= 0) & (idx < S) & (idx + k_start <= q_pos)
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1, 1)
+    h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1, 1)  # each query head's key head
+    at = idx.clamp(0, S - 1)
+    kg, vg = k[b, h, at].flatten(3, 4), v[b, h, at].flatten(3, 4)  # (B, H, T, n block, D): the blocks alone
+    logits = torch.einsum("bhtd,bhtkd->bhtk", q, kg).float() * scale
+    p = _softmax_or_zero(logits, ok.flatten(3, 4))
+    return torch.einsum("bhtk,bhtkd->bhtd", p.to(vg.dtype), vg)
+
+
+def decode_selected_attention(q, k, v, scale, q_start, k_start, keys):
+    """attention.selected_attention: each query's listed keys read by index (`_gathered_attention`)."""
+    key_offset(q, k, q_start, k_start)
+    q, k, v = _same_dtype(q, k, v)
+    return _gathered_attention(q, k, v, scale, q_start, k_start, keys)
+
+
+def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):
+    """(B, H, T, C) float32: attention.compressed_probs, the compressed keys read once per key head."""
+    T, C = q.shape[2], k_cmp.shape[2]
+    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+    return _softmax_or_zero(_decode_logits(q, k_cmp, scale), torch.arange(C, device=q.device) * stride + length - 1 <= q_pos)
+
+
+def decode_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
+    """attention.compressed_attention over the compressed keys the cache keeps."""
+    q, k_cmp, v_cmp = _same_dtype(q, k_cmp, v_cmp)
+    return _decode_output(_decode_compressed_probs(q, k_cmp, scale, q_start, length, stride), v_cmp)
+
+
+@torch.no_grad()
+def decode_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
+    """attention.block_scores: the compressed probabilities, then eq. 9 as sliding sums."""
+    q, k_cmp = _same_dtype(q, k_cmp)
+    return sliding_block_scores(_decode_compressed_probs(q, k_cmp, scale, q_start, length, stride), J, length,
+                                stride, block)
+
+
+@torch.no_grad()
+def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
+    """attention.indexer_topk: the lightning scores of every cached indexer key (eq. 1 reads
+    them all), then a top-n selection (`_top_n`)."""
+    return _top_n(_lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
+
+
+DECODE = Ops(
+    name="decode (kernels.py: the cache's keys and summaries the selection names)", attention=decode_attention,
+    pair_gated_attention=decode_pair_gated_attention, topk_attention=decode_topk_attention,
+    combiner_attention=decode_combiner_attention, block_attention=decode_block_attention,
+    selected_attention=decode_selected_attention, compressed_attention=decode_compressed_attention,
+    block_scores=decode_block_scores, indexer_topk=decode_indexer_topk, indexer_kl=chunked_indexer_kl,
+    mean_pair_gate=chunked_mean_pair_gate)

@@ -95,39 +95,147 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Rows:
+    """Rows of positions start .. end - 1 along dim -2 of a tensor grown in place: a step
+    writes its rows into spare capacity, never copying what is held (`torch.cat` per token
+    copied the whole cache every step). When the capacity runs out, the rows still held move
+    to a new buffer of twice their size: a copy of each row at most once per that many rows
+    written, so a step costs what it writes, amortised, and a window's cache, whose oldest
+    rows are dropped as it rolls, stays within twice the window (nanochat's KVCache and Hugging
+    Face's static cache preallocate the same way, for a known maximum length)."""
+
+    def __init__(self):
+        self.data = None  # (..., capacity, X)
+        self.lo = self.hi = 0  # rows lo .. hi - 1 of data hold positions start .. end - 1
+        self.start = 0
+
+    @property
+    def end(self):
+        return self.start + self.hi - self.lo
+
+    def __len__(self):
+        return self.hi - self.lo
+
+    def append(self, x):
+        """Write x (..., n, X), the positions end .. end + n - 1, in place."""
+        n = x.shape[-2]
+        if self.data is None or self.hi + n > self.data.shape[-2]:
+            held = self.view()
+            data = x.new_empty(*x.shape[:-2], 2 * (len(self) + n), x.shape[-1])
+            if held is not None:
+                data[..., :len(self), :] = held
+            self.data, self.lo, self.hi = data, 0, len(self)
+        self.data[..., self.hi:self.hi + n, :] = x
+        self.hi += n
+
+    def view(self):
+        """(..., end - start, X): the rows held, a view (no copy)."""
+        return None if self.data is None else self.data[..., self.lo:self.hi, :]
+
+    def drop_before(self, position):
+        """Forget the rows of positions < position (none are copied)."""
+        drop = min(max(0, position - self.start), len(self))
+        self.lo += drop
+        self.start += drop
+
+    def repeat_batch(self, n):
+        """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
+        if self.data is not None:
+            held = self.view().repeat_interleave(n, dim=0)
+            self.data = torch.cat([held, torch.empty_like(held)], dim=-2)
+            self.lo, self.hi = 0, held.shape[-2]
+
+    def nbytes(self):
+        held = self.view()
+        return 0 if held is None else held.numel() * held.element_size()
+
+
 class KVCache:
     """One layer's keys (post-norm, post-RoPE) and values, for the positions start .. end - 1
-    (Python ints: nothing is read back from the device).
+    (Python ints: nothing is read back from the device), written in place (`Rows`), and the
+    layer's `summaries`: what its selection reads instead of every key (MoBA's block means,
+    NSA's compressed keys and values, Combiner's span summaries, the indexer's keys), one per
+    window of positions (the layer's `summary_window()`, length and stride), appended when a
+    window completes, so a decoding step reads the summaries and never recomputes them from
+    every cached key.
 
     After each step the attention layer trims what no later query can see
     (`oldest_key_needed`), so windowed variants keep a rolling cache of at most `window` keys
     between steps (window + 1 while a query attends)."""
 
     def __init__(self):
-        self.k = self.v = None
-        self.start = self.end = 0
-        self.state = {}  # what a variant keeps beside keys and values (combiner's block summaries)
+        self.k, self.v = Rows(), Rows()
+        self.summaries = None  # a Rows per summary tensor, one row per window, from window 0
+        self.pending = None  # Rows of q (B, H, ., D) and x (B, ., C) from the first incomplete window on
 
-    def update(self, k, v, start):
-        """Append keys/values (B, Hkv, T, D) of positions start ..; returns all cached keys,
-        values and the position of the first."""
-        if start != self.end:
-            raise ValueError(f"the cache holds positions up to {self.end}, not {start}: feed tokens in order")
-        if self.k is None:
-            self.k, self.v, self.start = k, v, start
-        else:
-            self.k = torch.cat([self.k, k], dim=2)  # (B, Hkv, S, D)
-            self.v = torch.cat([self.v, v], dim=2)
-        self.end = start + k.shape[2]
-        return self.k, self.v, self.start
+    @property
+    def start(self):
+        return self.k.start
 
-    def trim(self, oldest):
-        if oldest > self.start:
-            self.k, self.v = self.k[:, :, oldest - self.start:], self.v[:, :, oldest - self.start:]
-            self.start = oldest
+    @property
+    def end(self):
+        return self.k.end
 
     def __len__(self):
-        return self.end - self.start
+        return len(self.k)
+
+    def update(self, layer, q, k, v, x, start):
+        """Append the keys/values (B, Hkv, T, D) of positions start ..; add the summaries of the
+        windows they complete (layer.summarise over those windows' queries, keys, values and
+        inputs). Returns views of every cached key and value, the first one's position, and
+        the summaries (a tensor or tuple, as layer.summarise gives them; None for a layer
+        without)."""
+        if start != self.end:
+            raise ValueError(f"the cache holds positions up to {self.end}, not {start}: feed tokens in order")
+        self.k.append(k)
+        self.v.append(v)
+        window = layer.summary_window()
+        summary = None
+        if window is not None:
+            summary = self.summarise(layer, window, q, x)
+        return self.k.view(), self.v.view(), self.k.start, summary
+
+    def summarise(self, layer, window, q, x):
+        length, stride = window
+        if self.pending is None:
+            self.pending = (Rows(), Rows())
+            self.pending[0].start = self.pending[1].start = self.start
+        for rows, new in zip(self.pending, (q, x)):
+            rows.append(new)
+        done = 0 if self.summaries is None else len(self.summaries[0])  # windows summarised
+        complete = max(0, (self.end - length) // stride + 1)  # windows i with i stride + length <= end
+        if complete > done or self.summaries is None:  # (none complete yet: empty summaries)
+            first, last = done * stride, max(done * stride, (complete - 1) * stride + length)  # their positions
+            k0 = first - self.k.start
+            q_w, x_w = (rows.view()[..., first - rows.start:last - rows.start, :] for rows in self.pending)
+            new = layer.summarise(q_w, self.k.view()[:, :, k0:k0 + last - first],
+                                  self.v.view()[:, :, k0:k0 + last - first], x_w, first)
+            new = new if isinstance(new, tuple) else (new,)
+            if self.summaries is None:
+                self.summaries = tuple(Rows() for _ in new)
+            for rows, s in zip(self.summaries, new):
+                rows.append(s)
+            for rows in self.pending:  # keep the inputs of the windows still incomplete
+                rows.drop_before(complete * stride)
+        views = tuple(rows.view() for rows in self.summaries)
+        return views if len(views) > 1 else views[0]
+
+    def trim(self, oldest):
+        self.k.drop_before(oldest)
+        self.v.drop_before(oldest)
+
+    def repeat_batch(self, n):
+        """Every batch row repeated n times, in every tensor held (benchmarks/decode.py fills a
+        cache at batch 1 and decodes at batch n)."""
+        for rows in self.rows():
+            rows.repeat_batch(n)
+
+    def nbytes(self):
+        """Bytes held: keys, values, summaries and the pending windows' inputs."""
+        return sum(rows.nbytes() for rows in self.rows())
+
+    def rows(self):
+        return [self.k, self.v, *(self.summaries or ()), *(self.pending or ())]
 
 
 class Model(nn.Module):
@@ -157,6 +265,7 @@ class Model(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self):
+        """One KVCache per layer, empty: pass it to forward as `cache` (sample.generate does)."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, idx, targets=None, cache=None):

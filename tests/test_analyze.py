@@ -315,7 +315,8 @@ def brute_selection(model, idx, layer):
                                         cfg.nsa_block, J)
         blocks = attention.nsa_top_blocks(scores, 0, cfg.nsa_block, cfg.nsa_topk, cfg.n_kv_head)
     else:
-        blocks = attention.moba_select(q, k, 0, model.cfg.moba_block, model.cfg.moba_topk)
+        blocks = attention.moba_select(q, attention.block_means(k, model.cfg.moba_block), 0, model.cfg.moba_block,
+                                        model.cfg.moba_topk)
     for n in range(N):
         for h in range(H):
             for t in range(T):

@@ -117,7 +117,8 @@ def test_note_is_a_no_op_unless_recording():
     assert module.gates == {} and module.selection is None
     module.record_gates(True)
     q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 6, 16), torch.randn(1, 4, 6, 16)
-    module.attend(q, k, v, torch.randn(1, 6, 64), 0, 0)
+    x = torch.randn(1, 6, 64)
+    module(x, *attention.rope_cos_sin(torch.arange(6), 16, 10000.0), 0)
     assert module.gates["head_gate"].shape == (1, 6, 4) and not module.gates["head_gate"].requires_grad
     module.record_gates(False)
     assert module.gates == {}

@@ -104,7 +104,7 @@ def test_a_block_start_sees_only_itself_directly():
     T = 2 * S
     q, k, v = (t.detach() for t in qkv(T))
     with torch.no_grad():
-        kbar, vbar = module.summaries(q, k, v, 0, 0)
+        kbar, vbar = module.summarise(q, k, v, None, 0)
         zero_spans = torch.zeros_like(vbar)  # remove block 0's summary value
         out = attention.combiner_attention(q, k, v, kbar, zero_spans, module.scale, 0, 0, S)
         v2 = v.clone()
@@ -174,15 +174,17 @@ def test_cached_decoding_equals_full_forward(kernel, chunks):
             steps.append(model(idx[:, t:t + n], cache=cache)[0])
             t += n
             # The cache holds the last token's block and one summary per completed block.
-            assert len(cache[0]) <= S and cache[0].state["kbar"].shape[2] == (t - 1) // S
+            assert len(cache[0]) <= S and len(cache[0].summaries[0]) == t // S
     decoded = torch.cat(steps, 1)
     assert (decoded - full).abs().max() < 1e-5 * full.abs().max()
 
 
 def test_without_the_earlier_blocks_it_says_what_to_do():
+    """Queries 10 .. 12 after keys from 8 (block 2 of 4, its first two queries not given):
+    without the earlier blocks' summaries it says what to pass."""
     module = make_module()
-    q, k, v = qkv(3)
-    with pytest.raises(ValueError, match="KVCache"):
+    q, (_, k, v) = qkv(3)[0], qkv(5)
+    with pytest.raises(ValueError, match="pass `summary`"):
         module.attend(q, k, v, None, 10, 8)
 
 

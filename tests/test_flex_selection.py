@@ -110,8 +110,9 @@ def test_block_attention_eager_flex_equals_the_reference(monkeypatch, T, q_start
 
 
 def test_decode_sized_calls_gather_their_blocks(monkeypatch):
-    """T <= DECODE_ROWS: no FlexAttention call (no compile per cache length); outputs and
-    gradients equal the reference, repeated and empty slots included."""
+    """T <= DECODE_ROWS: attention.ops gives DECODE, which gathers each query's blocks from the
+    cache (no FlexAttention call, no compile per cache length); outputs and gradients equal
+    the reference, repeated and empty slots included."""
     monkeypatch.setattr(kernels, "_run_flex", None)  # any call fails
     g = torch.Generator().manual_seed(3)
     for T, q_start, k_start in [(1, 300, 0), (16, 290, 100), (3, 40, 36)]:
@@ -121,7 +122,8 @@ def test_decode_sized_calls_gather_their_blocks(monkeypatch):
         blocks = random_blocks(1, 4, T, q_start, 8, 4, T)
         blocks[0, 1, 0] = torch.tensor([q_start // 8, q_start // 8, -1, 0])  # a repeat; block 0 may be cached out
         ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, 8, blocks)
-        out = kernels.FLEX.block_attention(q, k, v, 0.3, q_start, k_start, 8, blocks)
+        assert attention.ops("flex", "cpu", T) is kernels.DECODE is attention.ops("fused", "cuda", T)
+        out = kernels.DECODE.block_attention(q, k, v, 0.3, q_start, k_start, 8, blocks)
         assert rel(out, ref) < 1e-5  # both softmaxes in float32
         for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
             assert rel(a, b) < 1e-5
@@ -202,8 +204,8 @@ def test_combiner_work_follows_the_keys_read():
 # ---------------------------------------------------------------------------- nsa's compressed branch
 
 def test_compressed_attention_decode_sized_and_empty():
-    """FLEX's compressed branch for a few queries (the dense chunk, no FlexAttention call) and
-    with no compressed key yet (C = 0): equal to the reference, outputs and gradients."""
+    """The compressed branch for a few queries (DECODE: no FlexAttention call) and with no
+    compressed key yet (C = 0, FLEX and DECODE): equal to the reference, outputs and gradients."""
     g = torch.Generator().manual_seed(4)
     for T, q_start, C in [(3, 40, 19), (16, 0, 3), (5, 0, 0)]:
         q = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64).requires_grad_()
@@ -211,7 +213,9 @@ def test_compressed_attention_decode_sized_and_empty():
         ref = attention.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
         saved, kernels._run_flex = kernels._run_flex, None  # any FlexAttention call fails
         try:
-            out = kernels.FLEX.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
+            out = kernels.DECODE.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
+            if C == 0:
+                assert torch.equal(kernels.FLEX.compressed_attention(q, k, v, 0.3, q_start, 4, 2), out)
         finally:
             kernels._run_flex = saved
         assert out.shape == ref.shape and rel(out, ref) < 1e-6

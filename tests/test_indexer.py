@@ -55,7 +55,11 @@ def run(module, kernel, q, k, v, x, q_start=0):
     cfg = module.cfg
     module.cfg = dataclasses.replace(cfg, kernel=kernel)
     try:
-        return module.attend(q, k, v, x, q_start, q_start)
+        out = module.attend(q, k, v, x, q_start, q_start)
+        if module.notes is not None:  # recording: what forward notes after attend
+            module.notes = {}
+            module.observe(q, k, v, x, q_start, q_start, None)
+        return out
     finally:
         module.cfg = cfg
 

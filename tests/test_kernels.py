@@ -93,11 +93,16 @@ def inputs(module, T, B, p0, k0, seed, grad=True):
 
 
 def run(module, kernel, *args):
-    """module.attend(*args) with cfg.kernel = kernel."""
+    """module.attend(*args) with cfg.kernel = kernel (and, while recording, what forward notes
+    after it: `observe`)."""
     cfg = module.cfg
     module.cfg = dataclasses.replace(cfg, kernel=kernel)
     try:
-        return module.attend(*args)
+        out = module.attend(*args)
+        if module.notes is not None:
+            module.notes = {}
+            module.observe(*args, None)
+        return out
     finally:
         module.cfg = cfg
 

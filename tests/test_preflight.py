@@ -69,7 +69,7 @@ def test_a_path_that_computes_wrong_is_caught_by_the_comparison(run, monkeypatch
     the bound is the bf16 reference's own distance from float32, twice over."""
     wrong = kernels.BLOCKWISE._replace(attention=lambda *a, **k: 1.1 * kernels.blockwise_attention(*a, **k))
     real_ops = attention.ops
-    monkeypatch.setattr(attention, "ops", lambda kernel, device: real_ops(kernel, device) if kernel == "ref" else wrong)
+    monkeypatch.setattr(attention, "ops", lambda kernel, device, rows=None: real_ops(kernel, device) if kernel == "ref" else wrong)
     model, mc, x = setup("local", "fused")
     assert config.preflight(model, x, mc, run, typed=set()) == "ref"
     out = capsys.readouterr().out

@@ -57,7 +57,11 @@ def run(module, kernel, q, k, v, x, q_start=0):
     cfg = module.cfg
     module.cfg = dataclasses.replace(cfg, kernel=kernel)
     try:
-        return module.attend(q, k, v, x, q_start, 0)
+        out = module.attend(q, k, v, x, q_start, 0)
+        if module.notes is not None:  # recording: what forward notes after attend
+            module.notes = {}
+            module.observe(q, k, v, x, q_start, 0, None)
+        return out
     finally:
         module.cfg = cfg
 
@@ -258,7 +262,7 @@ def test_causal_and_prefix_invariant(attn):
 def test_moba_selection_is_a_brute_force_sort():
     module = make("moba")
     q, k, _, _ = inputs(module, 45, B=2)
-    blocks = attention.moba_select(q, k, 0, 8, 3)  # (B, H, T, 3)
+    blocks = attention.moba_select(q, attention.block_means(k, 8), 0, 8, 3)  # (B, H, T, 3)
     for b in range(2):
         for h in range(4):
             for t in range(45):
@@ -276,7 +280,7 @@ def test_moba_ties_go_to_the_most_recent_blocks():
     module = make("moba")
     q, k, _, _ = inputs(module, 45, B=2)
     k = k[:, :, :1].expand_as(k)
-    blocks = attention.moba_select(q, k, 0, 8, 3)  # (B, H, T, 3)
+    blocks = attention.moba_select(q, attention.block_means(k, 8), 0, 8, 3)  # (B, H, T, 3)
     for t in range(45):
         want = {j for j in (t // 8, t // 8 - 1, t // 8 - 2) if j >= 0}
         for row in blocks[:, :, t].reshape(-1, 3).tolist():

@@ -1,0 +1,177 @@
+"""What a decoding step costs: counted, not timed. A TorchDispatchMode counts every aten op a
+one-token step dispatches and the bytes its inputs address, at two cache lengths: `local`'s
+and `dsa`'s step does not grow at all; nsa's, moba's and combiner's grows with their
+summaries (one per stride or block), not with the cached keys; no variant's op count grows
+(no loop over blocks or keys). Then the cache itself: written in place (a step copies none
+of it), its summaries appended as windows complete, and a stale summary seen by the decode
+check. tests/test_sample.py holds every variant's cached greedy tokens equal to recomputation.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import model as model_module
+from model import Model, ModelConfig
+
+SIZES = dict(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, head_dim=16, d_model=64, mlp_hidden=64, window=32,
+             nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=8, nsa_topk=4, nsa_window=16, moba_block=16, moba_topk=3,
+             index_topk=32, index_heads=2, index_head_dim=16, caa_window_max=48)
+VARIANTS = {
+    "full": {}, "local": {}, "dsa": dict(dsa_window="fixed"), "combiner": {}, "nsa": {}, "moba": {},
+    "indexer": {}, "caa": {}, "asga": {},
+}
+# positions per summary, for the variants whose step reads summaries of the cached keys
+UNIT = {"nsa": SIZES["nsa_cmp_stride"], "moba": SIZES["moba_block"], "combiner": SIZES["window"]}
+SHORT, LONG = 512, 2048
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Ops that read their first input at the positions an index names: they read what they return.
+GATHERS = {torch.ops.aten.index.Tensor, torch.ops.aten.gather.default, torch.ops.aten.index_select.default,
+           torch.ops.aten.embedding.default}
+
+
+def addressed(t):
+    """Bytes of the distinct elements a tensor addresses (a broadcast dimension counts once)."""
+    distinct = 1
+    for size, stride in zip(t.shape, t.stride()):
+        distinct *= size if stride else 1
+    return distinct * t.element_size()
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched and the bytes their tensor inputs address; a view reads
+    nothing, a gather what it returns (and its indices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.ops += 1
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if func in GATHERS:  # the source's rows that are read, and the indices
+                inputs = [out] + inputs[1:]
+            self.bytes += sum(addressed(t) for t in inputs if t.layout == torch.strided)
+        return out
+
+
+def tiny(attn, **flags):
+    torch.manual_seed(0)
+    return Model(ModelConfig(**SIZES, attn=attn, kernel="fused", **flags)).eval()
+
+
+def step_cost(attn, S, flags):
+    """(ops, bytes) of the decoding step that follows S cached tokens (the fewest of 3 steps)."""
+    model = tiny(attn, **flags)
+    idx = torch.randint(0, 64, (1, S + 3), generator=torch.Generator().manual_seed(1))
+    costs = []
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(idx[:, :S], cache=cache)
+        for t in range(S, S + 3):
+            with StepCounter() as counter:
+                model(idx[:, t:t + 1], cache=cache)
+            costs.append((counter.ops, counter.bytes))
+    return min(costs)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return {(name, S): step_cost(name, S, flags) for name, flags in VARIANTS.items() for S in (SHORT, LONG)}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_no_step_runs_more_ops_on_a_longer_cache(costs, name):
+    assert costs[name, LONG][0] == costs[name, SHORT][0], (name, costs[name, SHORT], costs[name, LONG])
+
+
+@pytest.mark.parametrize("name", ["local", "dsa"])
+def test_a_windowed_step_reads_the_same_bytes_whatever_the_cache(costs, name):
+    assert costs[name, LONG][1] == costs[name, SHORT][1], (name, costs[name, SHORT], costs[name, LONG])
+
+
+@pytest.mark.parametrize("name", UNIT)
+def test_a_summarising_step_grows_with_its_summaries_not_its_keys(costs, name):
+    """Bytes added per cached key, against `full`'s (which reads each key and value once):
+    at most 4 / unit of it, unit = the positions one summary covers (nsa: one compressed key
+    and value per stride, each read at most twice; moba: a mean per block; combiner: a kbar
+    and a vbar per block), and far below full's own growth."""
+    grown = (costs[name, LONG][1] - costs[name, SHORT][1]) / (LONG - SHORT)
+    full = (costs["full", LONG][1] - costs["full", SHORT][1]) / (LONG - SHORT)
+    assert 0 < grown <= 4 * full / UNIT[name], (name, grown, full)
+
+
+def test_full_grows_with_every_key(costs):
+    """The check can see growth: full's step reads each added key and value."""
+    per_key = 2 * SIZES["n_kv_head"] * SIZES["head_dim"] * 4  # bytes of one position's key and value
+    assert (costs["full", LONG][1] - costs["full", SHORT][1]) >= per_key * (LONG - SHORT)
+
+
+def test_the_cache_is_written_in_place():
+    """A step writes its key and value into the buffer the cache already holds: the same
+    storage before and after, and a window's cache rolls within twice its length."""
+    model = tiny("local")
+    idx = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(idx[:, :100], cache=cache)
+        storages, sizes = set(), set()
+        for t in range(100, 300):
+            before = cache[0].k.data.untyped_storage().data_ptr()
+            model(idx[:, t:t + 1], cache=cache)
+            if cache[0].k.data.untyped_storage().data_ptr() == before:
+                storages.add(before)
+            sizes.add(cache[0].k.data.shape[-2])
+    assert len(cache[0]) == SIZES["window"] and max(sizes) <= 2 * (SIZES["window"] + 1) + 200
+    assert max(sizes) <= 2 * 100 and len(sizes) <= 3  # the prefill's buffer, then one of twice the window
+
+
+def decodes_as_recomputed(model, idx, prefill):
+    """Logits of a prefill then one-token steps equal the uncached forward's."""
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = model.new_cache()
+        steps = [model(idx[:, :prefill], cache=cache)[0]]
+        steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(prefill, idx.shape[1])]
+    return (torch.cat(steps, 1) - full).abs().max().item() < 1e-4 * full.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["nsa", "moba", "combiner", "indexer"])
+def test_the_summaries_are_appended_as_windows_complete(name):
+    model = tiny(name)
+    idx = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(3))
+    assert decodes_as_recomputed(model, idx, 37)
+    length, stride = model.layers[0].self_attn.summary_window()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(idx, cache=cache)
+    assert len(cache[0].summaries[0]) == (150 - length) // stride + 1
+
+
+@pytest.mark.parametrize("name", ["nsa", "moba", "combiner", "indexer"])
+def test_a_stale_summary_fails_the_decode_check(name, monkeypatch):
+    """The summaries frozen after the prefill (the newer windows never summarised, as a cache
+    that forgot to append its block means would be): decoding no longer equals recomputation."""
+    model = tiny(name)
+    idx = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(3))
+    summarise = model_module.KVCache.summarise
+
+    def stale(self, layer, window, q, x):
+        views = summarise(self, layer, window, q, x)
+        if getattr(self, "frozen", None) is None:
+            self.frozen = views
+        return self.frozen
+
+    monkeypatch.setattr(model_module.KVCache, "summarise", stale)
+    assert not decodes_as_recomputed(model, idx, 37)
