@@ -64,7 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import data
-from attention import VARIANTS
+from attention import VARIANTS, attention_path
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_ITEMS = 10042
@@ -562,8 +562,8 @@ class HarnessLM(TemplateLM):
 
     --model_args: ckpt (a run folder or checkpoint file) or init_from (a Hugging Face Qwen3
     folder or Hub id, with attn: the variant it is converted to, default full), max_length
-    (default: the trained seq_len; with init_from 2048), kernel (ref | fused; default: the
-    checkpoint's). The harness's
+    (default: the trained seq_len; with init_from 2048), kernel (fused | ref; default fused,
+    as in training: its generation decodes through kernels.DECODE; the path is printed). The harness's
     --batch_size and --device reach it too (device: CUDA when there is one, else CPU; the
     harness's default cuda:0 falls back to CPU with a note when there is none). On CUDA the
     forward runs in bf16 autocast, log-probabilities in float32.
@@ -576,7 +576,7 @@ class HarnessLM(TemplateLM):
     from a full window). A request whose text the tokenizer refuses is one EvalError naming its
     task and document, before any is scored."""
 
-    def __init__(self, ckpt="", init_from="", attn="full", max_length=0, kernel="", batch_size=8, device="",
+    def __init__(self, ckpt="", init_from="", attn="full", max_length=0, kernel="fused", batch_size=8, device="",
                  max_batch_size=None, **unknown):
         if model_registry is None:
             raise EvalError("the lm-evaluation-harness adapter needs lm_eval: pip install -r requirements-dev.txt")
@@ -598,7 +598,7 @@ class HarnessLM(TemplateLM):
         if init_from:  # CheckpointError: one line
             from config import pretrained_tokenizer
 
-            settings = dict(attn=attn, **({"kernel": kernel} if kernel else {}))
+            settings = dict(attn=attn, kernel=kernel)
             try:
                 tok = pretrained_tokenizer(str(init_from), hf_model_config(str(init_from), **settings))
                 self.model, _ = load_hf(str(init_from), device, **settings)
@@ -606,7 +606,8 @@ class HarnessLM(TemplateLM):
                 raise EvalError(f"{HARNESS_MODEL}: init_from={init_from}: {e}") from None
             checkpoint = {"tokenizer": tok.spec, "train_config": {"seq_len": 2048}}
         else:
-            self.model, checkpoint = load_checkpoint(str(ckpt), device, kernel=kernel or None)  # CheckpointError: one line
+            self.model, checkpoint = load_checkpoint(str(ckpt), device, kernel=kernel)  # CheckpointError: one line
+        print(f"{HARNESS_MODEL}: attention: {attention_path(self.model.cfg, device)}", file=sys.stderr)
         self.tokenizer = text_tokenizer(checkpoint.get("tokenizer", "gpt2"))
         top = self.tokenizer.n_ids - 1
         if top >= self.model.cfg.vocab_size:
@@ -765,7 +766,7 @@ def evaluate_model(model, *, data_dir, tokenizer, trained_len, step=None, n_seq=
 
 DEFAULTS = dict(ckpt="", init_from="", data_dir="", out="", seq_len=0, n_seq=64, recall=0, batch_size=4,
                 hellaswag=False, hellaswag_dir="data/hellaswag", hellaswag_file="", hellaswag_len=0, hellaswag_max=0,
-                device="auto", kernel="")
+                device="auto", kernel="fused")
 
 def harness_main(args):
     """`python evaluate.py harness ARGS`: lm_eval's own command line (ARGS as they would follow
@@ -814,8 +815,7 @@ def main(argv=None):
         init_process_group("nccl" if device.startswith("cuda") else "gloo", rank, world)
     log = print if rank == 0 else (lambda *a, **k: None)
     if args["init_from"]:  # training-free: a pretrained checkpoint, converted to --attn
-        if args["kernel"]:
-            settings["kernel"] = args["kernel"]
+        settings["kernel"] = args["kernel"]
         model, tok, summary = load_pretrained(args["init_from"], device, settings, "evaluate.py")
         try:
             data.check_tokenizer(args["data_dir"], tok)
@@ -827,7 +827,7 @@ def main(argv=None):
         log(f"training-free: attn={model.cfg.attn}: {VARIANTS[model.cfg.attn].FROM_PRETRAINED}")
     else:
         try:
-            model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"] or None)
+            model, ckpt = load_checkpoint(args["ckpt"], device, kernel=args["kernel"])
         except CheckpointError as e:
             fail(f"evaluate.py: {e}", code=1)
     train_config = ckpt.get("train_config") or {}
@@ -839,6 +839,7 @@ def main(argv=None):
     log(f"{source}: attn={model.cfg.attn}, step {ckpt.get('step', '?')}, "
         f"{'evaluated' if args['init_from'] else 'trained'} at {trained_len} tokens, "
         f"tokenizer {tokenizer if isinstance(tokenizer, str) else tokenizer['name']}, val data {data_dir}")
+    log(f"attention: {attention_path(model.cfg, device)}")
     record = evaluate_model(model, data_dir=data_dir, tokenizer=tokenizer, trained_len=trained_len,
                             step=ckpt.get("step"), n_seq=args["n_seq"], batch_size=args["batch_size"], device=device,
                             autocast=autocast, hellaswag_on=args["hellaswag"], hellaswag_dir=args["hellaswag_dir"],

@@ -3,21 +3,25 @@ decoding with a KV cache.
 
     python sample.py --ckpt=out/RUN [--prompt="Once upon a time" | --prompt_file=PATH]
                      [--max_new_tokens=200] [--temperature=0.8] [--top_k=200] [--seed=1337]
-                     [--device=cpu|cuda|auto] [--kernel=ref|fused] [--png=PATH]
+                     [--device=cpu|cuda|auto] [--kernel=fused|ref] [--context=N] [--png=PATH]
     python sample.py --init_from=Qwen/Qwen3-0.6B [--attn=moba ...] --prompt="The capital of France is"
 
 The model config travels with the checkpoint (`ckpt['model_config']`), so no flag repeats it.
 With --init_from (a Hugging Face Qwen3 folder or Hub id: model.load_hf) the sizes come from
 its config.json, the tokenizer is its tokenizer.json, and --attn with the variant's settings
 converts it (training-free: a variant's new parameters are at their initialisation).
-Every variant decodes with a KV cache (model.py's KVCache): `full`, `asga` and `caa` keep every
-key, `local` and windowed `dsa` keep a rolling cache of at most `window` keys between steps.
+Every variant decodes with a KV cache (model.py's KVCache, written in place): `full`, `asga`
+and `caa` keep every key, `local` and windowed `dsa` a rolling cache of at most `window` keys
+between steps, nsa, moba, combiner and the indexer also the summaries their selection reads.
+--kernel=fused (the default, as in training) runs kernels.py: the prompt through the device's
+fast path, each decoding step through kernels.DECODE, which reads of the cache only what the
+selection names; --kernel=ref runs attention.py as written. The path is printed.
 `generate(..., use_cache=False)` recomputes the whole sequence for every token instead; the
 two give the same tokens (tests/test_sample.py).
 
-A prompt longer than the model's training context (train_config's seq_len) keeps its last
-seq_len tokens, with a note. Generation itself may run past seq_len: every variant is defined
-at every length, though a model has only been trained on contexts up to seq_len.
+A prompt longer than the model's training context (train_config's seq_len) runs whole, with a
+note: every variant is defined at every length (RoPE has no limit), though the model has only
+been trained on contexts up to seq_len. --context=N keeps the prompt's last N tokens instead.
 """
 import shlex
 import sys
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from attention import attention_path
 from model import CheckpointError, describe_hf_load, load_checkpoint
 from config import cuda_missing, fail, load_pretrained, parse_source_flags
 
@@ -105,7 +110,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
 # ----------------------------------------------------------------------------- command line
 
 DEFAULTS = dict(ckpt="", init_from="", prompt="", prompt_file="", max_new_tokens=200, temperature=0.8,
-                top_k=200, seed=1337, device="auto", kernel="ref", png="")
+                top_k=200, seed=1337, device="auto", kernel="fused", context=0, png="")
 
 
 def parse_args(argv):
@@ -114,8 +119,8 @@ def parse_args(argv):
     args, settings = parse_source_flags(argv, DEFAULTS, "sample.py", doc=__doc__)
     if args["prompt"] and args["prompt_file"]:
         fail("sample.py: give --prompt or --prompt_file, not both")
-    if args["temperature"] < 0 or args["max_new_tokens"] < 0:
-        fail("sample.py: --temperature and --max_new_tokens must be >= 0")
+    if args["temperature"] < 0 or args["max_new_tokens"] < 0 or args["context"] < 0:
+        fail("sample.py: --temperature, --max_new_tokens and --context must be >= 0")
     return args, settings
 
 
@@ -173,15 +178,19 @@ def main(argv=None):
     else:
         prompt = args["prompt"]
     tokens = encode(prompt) or [doc_start]
+    if args["context"] and len(tokens) > args["context"]:
+        print(f"note: keeping the prompt's last {args['context']} of {len(tokens)} tokens (--context)", file=sys.stderr)
+        tokens = tokens[-args["context"]:]
+        prompt = decode(tokens)
     seq_len = context_length(ckpt)
     if seq_len is not None and len(tokens) > seq_len:
-        print(f"note: the prompt has {len(tokens)} tokens, more than the model's training "
-              f"context of {seq_len}; keeping its last {seq_len}", file=sys.stderr)
-        tokens = tokens[-seq_len:]
-        prompt = decode(tokens)
+        print(f"note: the prompt has {len(tokens)} tokens, more than the model's training context of {seq_len}: "
+              f"it runs whole (every variant is defined at any length), though the model was trained on "
+              f"{seq_len}; --context={seq_len} keeps its last {seq_len}", file=sys.stderr)
     cfg = model.cfg
     print(f"{source}: attn={cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, "
           f"step {ckpt.get('step', '?')}, prompt {len(tokens)} tokens", file=sys.stderr)
+    print(f"attention: {attention_path(cfg, device)}", file=sys.stderr)
 
     torch.manual_seed(args["seed"])
     generator = torch.Generator(device=device).manual_seed(args["seed"])
@@ -198,7 +207,7 @@ def main(argv=None):
     completion = decode(new_tokens)
     print(prompt + completion)
     print(f"---\n{len(new_tokens)} tokens in {seconds:.2f} s: "
-          f"{len(new_tokens) / max(seconds, 1e-9):.1f} tokens/s ({device}, KV cache)")
+          f"{len(new_tokens) / max(seconds, 1e-9):.1f} tokens/s ({device}, KV cache, kernel={cfg.kernel})")
     if args["png"]:
         caption = (f"python sample.py {shlex.join(sys.argv[1:] if argv is None else argv)}  "
                    f"# {cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, step "

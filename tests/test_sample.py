@@ -21,6 +21,9 @@ VARIANTS = {
     "asga_fixed": dict(attn="asga", asga_gate="fixed"),
     "caa": dict(attn="caa", caa_window_max=16),
     "combiner": dict(attn="combiner"),
+    "nsa": dict(attn="nsa", nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=4, nsa_topk=3, nsa_window=4),
+    "moba": dict(attn="moba", moba_block=4, moba_topk=3),
+    "indexer": dict(attn="indexer", index_topk=6, index_heads=2, index_head_dim=8),
 }
 # Variants whose cache must roll: query position from which it holds <= window (+1 in a step).
 # combiner: the last token's block of `window` keys (+ its block summaries in cache.state).
@@ -48,8 +51,8 @@ def test_cached_greedy_equals_recomputed_greedy(name, monkeypatch):
     seen = []  # (query position, cached keys while attending) for every layer and step
     update = model_module.KVCache.update
 
-    def spy(self, k, v, start):  # start: the first new key's position, a Python int
-        out = update(self, k, v, start)
+    def spy(self, layer, q, k, v, x, start):  # start: the first new key's position, a Python int
+        out = update(self, layer, q, k, v, x, start)
         seen.append((start + k.shape[2] - 1, len(self)))
         return out
 
@@ -115,14 +118,29 @@ def test_command_line_generates_from_a_run_dir(tmp_path, capsys, english_text):
     idx = torch.tensor([enc.encode(prompt)])
     assert text.rstrip("\n") == enc.decode(sample.generate(m, idx, 6, temperature=0)[0].tolist())
 
-    # a prompt longer than the training context (16 tokens) keeps its last 16, with a note
+    assert "attention: kernel=fused: blockwise" in out.err and "decoding" in out.err  # the path that ran
+    assert "kernel=fused" in stats
+
+    # a prompt longer than the training context (16 tokens) runs whole, with a note that says
+    # so and names the flag that keeps its last tokens; --context=16 keeps them
     (tmp_path / "long.txt").write_text(english_text)
+    assert len(enc.encode(english_text)) > 16
     sample.main([f"--ckpt={tmp_path / 'ckpt.pt'}", f"--prompt_file={tmp_path / 'long.txt'}",
                  "--max_new_tokens=3", "--top_k=5", "--seed=3"])
     out = capsys.readouterr()
-    assert "keeping its last 16" in out.err
+    assert "more than the model's training context of 16: it runs whole" in out.err and "--context=16" in out.err
+    assert out.out.startswith(english_text.rstrip("\n")[:200]) and "3 tokens in" in out.out
+    sample.main([f"--ckpt={tmp_path / 'ckpt.pt'}", f"--prompt_file={tmp_path / 'long.txt'}",
+                 "--max_new_tokens=3", "--top_k=5", "--seed=3", "--context=16"])
+    out = capsys.readouterr()
+    assert "keeping the prompt's last 16" in out.err and "training context" not in out.err
     tail = enc.decode(enc.encode(english_text)[-16:])
     assert out.out.startswith(tail) and "3 tokens in" in out.out
+
+    # --kernel=ref runs attention.py as written, and says so
+    sample.main([f"--ckpt={tmp_path}", f"--prompt={prompt}", "--max_new_tokens=2", "--temperature=0", "--kernel=ref"])
+    out = capsys.readouterr()
+    assert "attention: kernel=ref: reference (attention.py" in out.err
 
 
 def test_loader_drops_config_keys_this_version_lacks(tmp_path, capsys):
