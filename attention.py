@@ -338,7 +338,8 @@ class CausalSelfAttention(nn.Module):
         """Set the variant's own parameters to their documented init (Model calls this after
         its generic init, which would otherwise overwrite them)."""
 
-    # -- not the method (skip it): how it runs (forward, the KV cache, the operations, recording) and what the plan, FLOP count, budget check, conversion, analysis read
+    # -- not the method (skip it): how it runs (forward, KV cache, operations, recording), and what the plan,
+    # FLOP count, budget check, conversion, analysis read
     # Every variant groups these members at the end of its class, under this line.
 
     def forward(self, x_BTC, cos, sin, start, cache=None):
@@ -430,7 +431,8 @@ class CausalSelfAttention(nn.Module):
     @classmethod
     def settings(cls, cfg):
         """The config fields that set this variant (its sizes and ablations) and that matter
-        given the others; analyze.py names a run by those not at their default."""
+        given the others; analyze.py names a run by those not at their default. Fields of
+        model.ModelConfig may appear: moba's moba_full_last says which layers run the variant."""
         return ()
 
     @classmethod
@@ -972,8 +974,8 @@ class CombinerAttention(CausalSelfAttention):
         s = self.cfg.window
         if start % s or q.shape[2] != k.shape[2]:
             raise ValueError(f"combiner summarises whole blocks of {s} from their queries and keys (queries from "
-                             f"{start}, {q.shape[2]} queries, {k.shape[2]} keys): run from position 0, or pass `summary`, "
-                             f"the summaries of every earlier block")
+                             f"{start}, {q.shape[2]} queries, {k.shape[2]} keys): run from position 0, or pass "
+                             f"`summary`, the summaries of every earlier block")
         R = k.shape[2] // s
         qbar = to_blocks(q[:, :, :R * s], 0, s, 0.0).amax(dim=3)  # (B, H, R, D)
         return combiner_summaries(qbar, to_blocks(k[:, :, :R * s], 0, s, 0.0), to_blocks(v[:, :, :R * s], 0, s, 0.0),
@@ -1016,12 +1018,13 @@ class CombinerAttention(CausalSelfAttention):
 # Block selection and block attention: `top_blocks` (nsa_top_blocks, moba_select) and
 # `block_attention` (nsa's selected branch, moba's one branch).
 
-def top_blocks(scores, valid, forced, n):
+def top_blocks(scores, valid, forced, n, select=top_n):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
     the slots left when fewer than n are valid; equal scores go to the most recent block
-    (`top_n`), so equal scores read as a window. scores (.., T, J) float, valid and forced
-    (T, J) bool. No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
-    return top_n(scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf")), n)
+    (`top_n`, or `select`: an Ops' top_n, which computes the same), so equal scores read as a
+    window. scores (.., T, J) float, valid and forced (T, J) bool. No gradient: the choice of
+    blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    return select(scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf")), n)
 
 
 def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
@@ -1080,7 +1083,7 @@ def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
     return p_cmp @ block_overlap(p_cmp.shape[-1], J, length, stride, block, p_cmp.device)
 
 
-def nsa_top_blocks(scores, q_start, block, n, n_kv_head):
+def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     """(B, H, T, n): the blocks each query reads ([NSA] eqs. 10-12), from its block scores
     (B, H, T, J). Eq. 10: the query heads of a key head sum their scores and choose together.
     §4.1: n counts 3 forced blocks, "the 1 initial block and 2 local blocks": block 0, the
@@ -1092,7 +1095,7 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head):
     j = torch.arange(J, device=scores.device)
     valid = j <= own
     forced = valid & ((j == 0) | (j == own) | (j == own - 1))
-    return expand_kv(top_blocks(scores, valid, forced, n), H)
+    return expand_kv(top_blocks(scores, valid, forced, n, select), H)
 
 
 class NativeSparseAttention(CausalSelfAttention):
@@ -1163,11 +1166,10 @@ class NativeSparseAttention(CausalSelfAttention):
 
     def select(self, q, k_cmp, q_start):
         """(B, H, T, n): the blocks each query reads (eqs. 8-12), from the compressed keys."""
-        cfg = self.cfg
+        cfg, op = self.cfg, self.ops(q)
         J = ceil_div(q_start + q.shape[2], cfg.nsa_block)  # blocks up to the last query's own
-        scores = self.ops(q).block_scores(q, k_cmp, self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
-                                          cfg.nsa_block, J)  # eqs. 8-9
-        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head)  # eqs. 10-12
+        scores = op.block_scores(q, k_cmp, self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block, J)
+        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head, op.top_n)  # eqs. 8-12
 
     def branch_gates(self, x):
         """(3, B, H, T, 1): g_t^c = sigmoid(W_g x_t + b_g), branch-major: the 3 H outputs of W_g
@@ -1275,7 +1277,7 @@ def block_means(k, block):
     return k[:, :, :J * block].float().view(B, Hkv, J, block, D).mean(3)
 
 
-def moba_select(q, means, q_start, block, topk):
+def moba_select(q, means, q_start, block, topk, select=top_n):
     """(B, H, T, topk): the blocks each query reads ([MoBA] eqs. 5-6), from q (B, H, T, D)
     and the means (B, Hkv, J, D) of the complete blocks from position 0 (`block_means`):
         s_j = q_t . K_bar_j                                                   (eq. 5)
@@ -1291,7 +1293,7 @@ def moba_select(q, means, q_start, block, topk):
     scores = F.pad(scores, (0, J - full))
     own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
     j = torch.arange(J, device=q.device)
-    return top_blocks(scores, j <= own, j == own, topk)
+    return top_blocks(scores, j <= own, j == own, topk, select)
 
 
 class MixtureOfBlockAttention(CausalSelfAttention):
@@ -1321,7 +1323,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
         cfg = self.cfg
         means = self.summarise(q, k, v, x, k_start) if summary is None else summary
-        blocks = moba_select(q, means, q_start, cfg.moba_block, cfg.moba_topk)  # (B, H, T, k)
+        blocks = moba_select(q, means, q_start, cfg.moba_block, cfg.moba_topk, self.ops(q).top_n)  # (B, H, T, k)
         return self.ops(q).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
@@ -1332,7 +1334,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         means = self.summarise(q, k, v, x, k_start) if summary is None else summary
-        blocks = moba_select(q, means, q_start, self.cfg.moba_block, self.cfg.moba_topk)
+        blocks = moba_select(q, means, q_start, self.cfg.moba_block, self.cfg.moba_topk, self.ops(q).top_n)
         self.note("selection", blocks)
         self.note("selected_distance", lambda: block_distance(blocks, q_start, self.cfg.moba_block))
 
@@ -1343,7 +1345,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
 
     @classmethod
     def settings(cls, cfg):
-        return ("moba_block", "moba_topk", "moba_full_last")
+        return ("moba_block", "moba_topk", "moba_full_last")  # the last: a ModelConfig field (which layers)
 
     @classmethod
     def selection_unit(cls, cfg):
@@ -1695,7 +1697,7 @@ REFERENCE = kernels.Ops(
     name="reference (attention.py, dense)", attention=attention, pair_gated_attention=pair_gated_attention,
     topk_attention=topk_attention, combiner_attention=combiner_attention, block_attention=block_attention,
     selected_attention=selected_attention, compressed_attention=compressed_attention, block_scores=block_scores,
-    indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate)
+    indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate, top_n=top_n)
 
 
 def ops(kernel, device, rows=None):

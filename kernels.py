@@ -11,11 +11,15 @@
   indexer_topk(q_idx, k_idx, w, q_start, k_start, n)                              (indexer)
   indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)                (indexer)
   mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
+  top_n(scores, n)                                   (the tie rule of every selection: nsa, moba)
 
 (attention.py documents what each computes; its variants call them through attention.ops,
-the one place that picks a set.) Two sets; the last four are the same in both: a chunk of
-queries at a time, so memory stays linear in T, and `sliding_block_scores` for eq. 9's
-product (see "both sets" below).
+the one place that picks a set.) Three sets: FLEX (the GPU path), BLOCKWISE (the CPU's) and
+DECODE (a call of at most DECODE_ROWS query rows, on any device: a decoding step). Some
+stages are shared: nsa's block scores a chunk of queries at a time with eq. 9 as sliding
+sums, the indexer's top-k and dense-warm-up loss chunked, asga's recorded gate statistic
+chunked, so memory stays linear in T (see "both sets" below); the sparse stage of the
+indexer's loss differs (FLEX reads the listed keys by index).
 
 FLEX, the GPU path (also forced on any device by kernel='flex'): plain causal attention
 through F.scaled_dot_product_attention (flash on CUDA); everything else through
@@ -88,7 +92,7 @@ selection depends on the data), in a static number of rows (one compile per shap
 a backward (tiles 128 x 128: sm_90's bf16 backward has no kernel for a smaller key tile),
 1.4x and 1.3x without one (key tile = the block); the BlockMask it replaced, the union of a
 128-query tile's blocks, listed 9.7x / 36x (moba) and 9.0x / 34x (nsa). Decode-sized calls
-gather their blocks (`gathered_block_attention`).
+run DECODE, which gathers their blocks from the cache (`decode_block_attention`).
 FLEX's compressed branch (nsa): one FlexAttention call over the C compressed keys, its
 BlockMask cached per shape (the keys read plus a band of boundary tiles: 1.26x at T = 4096,
 1.06x at 16384). Combiner's BlockMask leaves 2.3x / 2.0x the keys its definition reads (own
@@ -149,17 +153,27 @@ NEG_INF = float("-inf")
 # The operations a variant calls through attention.ops: the core attentions, and the stages of
 # a variant that need a fast form (attention.py defines each; its docstring says what it computes).
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
-                       "selected_attention compressed_attention block_scores indexer_topk indexer_kl mean_pair_gate")
+                       "selected_attention compressed_attention block_scores indexer_topk indexer_kl mean_pair_gate "
+                       "top_n")
 
 
 def expand_kv(k_BHSD, n_head):
-    """Grouped-query attention: repeat each key/value head for the query heads that share it
-    (attention.py uses this one too; the FlexAttention path uses enable_gqa instead)."""
+    """Grouped-query attention: repeat each key/value head for the query heads that share it,
+    as attention.expand_kv does (a copy: the FlexAttention path uses enable_gqa instead, the
+    DECODE path stacks a key head's query heads as rows, `_head_rows`)."""
     return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 
 def ceil_div(a, b):
     return -(-a // b)
+
+
+def repeated(blocks):
+    """(.., n) bool: the slots of blocks (.., n) that repeat an earlier slot's block (a block
+    listed twice counts once)."""
+    n = blocks.shape[-1]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=blocks.device).tril(-1)  # [s, s']: s' < s
+    return ((blocks[..., :, None] == blocks[..., None, :]) & earlier).any(-1)
 
 
 def key_offset(q, k, q_start, k_start):
@@ -807,8 +821,7 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     nb = kb.shape[2]
     rel = blocks - first // block  # (B, H, T, n) block index in kb
     ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
-    earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
-    ok = ok & ~((blocks[..., :, None] == blocks[..., None, :]) & earlier).any(-1)  # a block listed twice counts once
+    ok = ok & ~repeated(blocks)  # a block listed twice counts once
     group = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * nb + rel.clamp(0, nb - 1)  # (B, H, T, n)
     pair = ok.flatten().nonzero().squeeze(1)  # (P,) valid (query, slot) pairs, index into B * H * T * n
     order = torch.argsort(group.flatten()[pair], stable=True)
@@ -1066,17 +1079,6 @@ def _softmax_or_zero(logits, mask):
     return torch.softmax(logits, dim=-1) * some
 
 
-def _compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention for a few queries, as written there (FLEX's decode-sized
-    calls, in the autocast dtype on a GPU)."""
-    B, H, T, _ = q.shape
-    C = k_cmp.shape[2]
-    logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
-    q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
-    p = _softmax_or_zero(logits, torch.arange(C, device=q.device) * stride + length - 1 <= q_pos)
-    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, H)
-
-
 def _seen(C, last, length, stride):
     """How many compressed keys the query at position `last` sees (i stride + length - 1 <= last):
     a chunk of queries needs no more (causal: the rest would be masked)."""
@@ -1123,16 +1125,20 @@ def sliding_block_scores(p_cmp, J, length, stride, block):
     """attention.block_scores, p_cmp (.., C) @ block_overlap(C, J, ...), without the (C, J)
     matrix, in O(C) per query instead of O(C J): at T = 8192 the matmul was 4x the FLOPs of
     the compressed branch's own q k^T (J = T / block columns). Compressed key i covers the
-    stride-segments i .. i + length/stride - 1, each holding stride positions worth
-    p_i / stride each, so a segment's mass is the sum of the p_i that cover it (a sliding sum
-    of length/stride terms), and a selection block's score the sum of its block/stride
-    segments. Needs stride | length and stride | block (nsa's check_config)."""
+    stride-segments i .. i + covers - 1 (covers = length / stride), each holding stride
+    positions worth p_i / stride each, so block j (segments j pb .. j pb + pb - 1, pb = block
+    / stride) gets sum_i p_i #(the segments both hold): a weighted sum over the keys j pb -
+    covers + 1 .. j pb + pb - 1, with weights ones(covers) convolved with ones(pb) (a
+    trapezoid): one matmul over overlapping windows of the keys (a strided view).
+    Needs stride | length and stride | block (nsa's check_config)."""
     covers, per_block = length // stride, block // stride
+    width = per_block + covers - 1
+    ones = torch.ones(1, 1, per_block, dtype=p_cmp.dtype, device=p_cmp.device)
+    trapezoid = F.conv1d(F.pad(ones, (covers - 1, covers - 1)), ones[..., :1].expand(1, 1, covers)).view(width)
     C = p_cmp.shape[-1]
-    segments = sum(F.pad(p_cmp, (shift, covers - 1 - shift)) for shift in range(covers))  # (.., C + covers - 1)
-    n = J * per_block  # segments inside blocks 0 .. J - 1: drop the rest, pad with empty ones
-    segments = segments[..., :n] if C + covers - 1 >= n else F.pad(segments, (0, n - (C + covers - 1)))
-    return segments.unflatten(-1, (J, per_block)).sum(-1)
+    right = max(0, (J - 1) * per_block + width - (covers - 1) - C)  # zeros past the last key, up to block J - 1
+    windows = F.pad(p_cmp, (covers - 1, right)).unfold(-1, width, per_block)[..., :J, :]  # (.., J, width)
+    return windows @ trapezoid
 
 
 def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
@@ -1145,28 +1151,61 @@ def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
     return scores.masked_fill(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
 
 
+@torch.no_grad()
+def _index_scores(q_idx, k_idx, w, q_start, k_start):
+    """_lightning_scores without gradient (the selection's), one indexer head at a time into
+    two (B, T, S) buffers, in place: the (B, T, J, S) dots and their ReLU and weighted copies
+    are never made, each a pass through memory."""
+    B, T, J, d = q_idx.shape
+    S = k_idx.shape[1]
+    k_t = k_idx.float().transpose(1, 2)  # (B, d, S)
+    scores, dots = q_idx.new_zeros(B, T, S, dtype=torch.float32), q_idx.new_empty(B, T, S, dtype=torch.float32)
+    for j in range(J):
+        torch.bmm(q_idx[:, :, j].float(), k_t, out=dots)
+        scores.addcmul_(dots.div_(math.sqrt(d)).relu_(), w[:, :, j, None].float())
+    q_pos = q_start + torch.arange(T, device=q_idx.device)[:, None]
+    return scores.masked_fill_(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
+
+
 def _top_n(scores, n):
-    """attention.top_n as written there: each row's n highest scores' indices, highest first,
-    ties to the higher index, -1 where the score is -inf; one top-k, no sort."""
+    """attention.top_n: each row's n highest scores' indices, highest first, ties to the higher
+    index, -1 where the score is -inf; one top-k over the same (score, index) key, built in
+    place in one int64 buffer (each fresh buffer of the size of the scores costs a pass)."""
     S = scores.shape[-1]
     if S < n:
         scores = F.pad(scores, (0, n - S), value=NEG_INF)
-    bits = (scores.detach().float() + 0.0).view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
-    index = torch.arange(scores.shape[-1], device=scores.device)
-    top = ((ordered.long() << 32) | index).topk(n, dim=-1).indices
+    key = (scores.detach().float() + 0.0).view(torch.int32).long()  # -0.0 made 0.0; sign-extended
+    key ^= (key >> 31) & 0x7FFFFFFF  # negative floats: their 31 magnitude bits flipped
+    key <<= 32
+    key |= torch.arange(scores.shape[-1], device=scores.device)
+    top = key.topk(n, dim=-1).indices
     return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
+
+
+TOP_N_ELEMENTS = 1 << 18  # chunked_top_n: scores of one chunk of rows (its int64 key: 2 MB, cache-sized)
+
+
+def chunked_top_n(scores, n):
+    """attention.top_n a chunk of rows at a time (BLOCKWISE: the CPU's), so that each pass of
+    `_top_n` over its int64 key stays in cache instead of streaming (T, J) tensors through
+    memory (nsa's and moba's block scores, T x T / block per head)."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    step = max(1, TOP_N_ELEMENTS // max(1, flat.shape[-1]))
+    if step >= flat.shape[0]:
+        return _top_n(scores, n)
+    return torch.cat([_top_n(flat[r:r + step], n) for r in range(0, flat.shape[0], step)]).view(*scores.shape[:-1], n)
 
 
 @torch.no_grad()
 def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     """attention.indexer_topk a chunk of queries at a time (`INDEX_SCORES`): the (B, T, J, S)
-    scores never exist at once."""
+    scores never exist at once, and a chunk scores only the keys up to its last query (the
+    later ones it cannot see: half of the causal square)."""
     B, T, J, _ = q_idx.shape
     S = k_idx.shape[1]
     chunks = query_chunks(T, B * J * S, INDEX_SCORES, q_idx.device)
-    return torch.cat([_top_n(_lightning_scores(q_idx[:, t0:t1], k_idx, w[:, t0:t1], q_start + t0, k_start),
-                                min(n, S)) for t0, t1 in chunks], dim=1)
+    return torch.cat([_top_n(_index_scores(q_idx[:, t0:t1], k_idx[:, :q_start + t1 - k_start], w[:, t0:t1],
+                                           q_start + t0, k_start), min(n, S)) for t0, t1 in chunks], dim=1)
 
 
 def _kl_chunk(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
@@ -1228,7 +1267,7 @@ BLOCKWISE = Ops(
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
     selected_attention=blockwise_selected_attention, compressed_attention=blockwise_compressed_attention,
     block_scores=chunked_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
-    mean_pair_gate=chunked_mean_pair_gate)
+    mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -1253,7 +1292,7 @@ _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> Bl
 MAX_CACHED_MASKS = 64  # a prefill per prompt length makes a shape each: keep the cache bounded
 
 
-def _run_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=None):
+def _run_flex(q, k, v, score_mod, mask, scale, lse=False, kernel_options=None):
     """FlexAttention, compiled on CUDA (uncompiled, it materializes the scores); inside an
     outer torch.compile the plain function is traced into that graph instead. Triton tile sizes for its kernels come as kernel_options,
     or in a score_mod's `kernel_options` attribute (`PAIR_GATE_TILES`). lse: also return each
@@ -1262,7 +1301,7 @@ def _run_flex(q, k, v, score_mod, block_mask, scale, lse=False, kernel_options=N
     fn = compiled_on_gpu(flex_attention, q)
     options = kernel_options or getattr(score_mod, "kernel_options", None)
     aux = dict(return_aux=AuxRequest(lse=True)) if lse else {}
-    out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    out = fn(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
              kernel_options=options, **aux)
     return (out[0], out[1].lse) if lse else out
 
@@ -1332,8 +1371,8 @@ def units(x):
 def log_sigmoid(z):
     """log sigmoid(z), for score_mods and biases: F.logsigmoid on a plain CPU tensor, else
     -softplus(-z). Why: on CUDA, F.logsigmoid's op returns a second, empty output ("buffer"),
-    and the vmap that uncompiled FlexAttention runs a score_mod under (decode-sized calls,
-    `DECODE_ROWS`) fails on it ("SmallVector unable to grow", torch 2.11 on an H100); so
+    and the vmap that uncompiled FlexAttention runs a score_mod under (kernel=flex off CUDA,
+    or with its compile off) fails on it ("SmallVector unable to grow", torch 2.11 on an H100); so
     -softplus(-z) wherever a score_mod may run: on a GPU, under a functorch transform (vmap)
     or while compiling. On a CPU that buffer is full-sized, so the failure cannot happen there
     (tests/test_kernels.py re-creates it by giving the CPU op CUDA's empty buffer), and the
@@ -1436,11 +1475,9 @@ def topk_threshold(q, k, scale, q_start, k_start, k_per_query, k_max):
     key head's queries in one matmul)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    rows = max(1, TOPK_SCORES.get(q.device.type, 1 << 22) // (B * H * S))
     kk = min(k_max, S)
     out = []
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
+    for t0, t1 in query_chunks(T, B * H * S, TOPK_SCORES, q.device):
         qc = q[:, :, t0:t1].float().view(B, Hkv, H // Hkv, t1 - t0, D)
         scores = (qc @ k.float()[:, :, None].transpose(-2, -1)).view(B, H, t1 - t0, S) * scale
         dist = (q_start + t0 + torch.arange(t1 - t0, device=q.device)[:, None]
@@ -1521,7 +1558,7 @@ FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be s
 # nsa's selected branch and moba: each (query, slot) reads one block of `block` keys, chosen
 # per token (and per head). A BlockMask over the queries as they stand lists, per 128-query
 # tile, the union of its queries' blocks: every tile, once the choices differ from token to
-# token (issue 42: at T = 4096, 1.15x the tiles of dense causal attention for nsa, 3.8x the
+# token (measured before this form: at T = 4096, 1.15x the tiles of dense causal attention for nsa, 3.8x the
 # keys its definition reads per query; moba 1.03x, 8.5x). So the queries are regrouped first,
 # as MoBA's efficient form gathers the queries of each block ([MoBA] moba_efficient.py):
 # every (query, group of blocks) pair becomes one row of a virtual query sequence, sorted by
@@ -1550,8 +1587,9 @@ FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be s
 # its 8 blocks in tiles of their own, a row reading 32 of a tile's 128 keys; less where its
 # choices neighbour each other); without one, 0.8x for both (the band holds the rest). Either
 # way the work per query no longer grows with T; the union BlockMask this replaces grew as T.
-# nsa's 2.5x would need key tiles of 64 (sm_80's backward table allows them, sm_90's not) or
-# a kernel choice outside the table (max_autotune lists 32 x 32 backward tiles).
+# nsa with a backward within 2.5x (tests/test_gpu_cost.py's bound without the band) would
+# need key tiles of 64 (sm_80's backward table allows them, sm_90's not) or a kernel choice
+# outside the table (max_autotune lists 32 x 32 backward tiles).
 SELECTION_Q_TILE = 128  # rows per query tile: sm_90's bf16 backward needs a multiple of 128 (BLOCK_M2)
 SELECTION_KV_TILE = 128  # key tile when a backward is needed (sm_90's BLOCK_N1); see above
 SELECTION_BITS = 16  # blocks one row may hold (a bit mask read by the mask_mod)
@@ -1595,20 +1633,19 @@ def selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile):
     R = ceil_div(P + min(n_groups, P) * (q_tile - 1), q_tile) * q_tile
     # slots that read a key: not empty, not repeated, and a block inside the keys
     earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [s, s']: s' < s
-    repeat = ((blocks[..., :, None] == blocks[..., None, :]) & earlier).any(-1)
-    real = (blocks >= 0) & ~repeat & ((blocks + 1) * block > k_start) & (blocks * block < k_start + S)
-    group = torch.where(real, blocks // per, n_groups)  # (B, H, T, n); n_groups: nothing
+    real = (blocks >= 0) & ~repeated(blocks) & ((blocks + 1) * block > k_start) & (blocks * block < k_start + S)
+    group = torch.where(real, blocks // per, n_groups)  # (B, H, T, n) each slot's group; n_groups: nothing
     same = (group[..., :, None] == group[..., None, :]) & real[..., None, :]  # [s, s'] same group
     opens = real & ~(same & earlier).any(-1)  # the first slot of a query in each of its groups
     bit = torch.where(real, 1 << (blocks - group * per).clamp(0, per - 1), 0).int()
     bits = (same.int() * bit[..., None, :]).sum(-1, dtype=torch.int32)  # the group's blocks, on its first slot
-    group = torch.where(opens, group, n_groups).view(B, H, P)
+    opened = torch.where(opens, group, n_groups).view(B, H, P)  # the group each pair opens; n_groups: none
     t = torch.arange(T, device=device).repeat_interleave(n)  # query of each pair
     # rows sorted by (group, query); unused pairs last
-    key, order = (group * T + t).sort(dim=-1, stable=True)
+    key, order = (opened * T + t).sort(dim=-1, stable=True)
     g_sorted, t_sorted = key // T, key % T
     count = torch.zeros(B, H, n_groups + 1, dtype=torch.long, device=device)
-    count.scatter_add_(-1, group, torch.ones_like(group))
+    count.scatter_add_(-1, opened, torch.ones_like(opened))
     count = count[..., :n_groups]
     padded = ceil_div(count, q_tile) * q_tile
     first_row = F.pad(padded.cumsum(-1) - padded, (0, 1), value=R)  # (B, H, n_groups + 1)
@@ -1617,14 +1654,14 @@ def selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile):
     row = torch.where(g_sorted < n_groups, first_row.gather(-1, g_sorted) + rank, R)  # (B, H, P), R: none
     pair_row = torch.empty_like(row).scatter_(-1, order, row).view(B, H, T, n)
 
-    def per_row(values, fill):  # (B, H, P) sorted pair values -> (B, H, R) by row
+    def by_row(values, fill):  # (B, H, P) sorted pair values -> (B, H, R) by row
         out = torch.full((B, H, R + 1), fill, dtype=values.dtype, device=device)
         return out.scatter_(-1, row, values)[..., :R].contiguous()
 
-    query = per_row(t_sorted, 0)
-    pos = per_row(q_start + t_sorted, -1)  # -1: a padding row, which sees no key
-    row_group = per_row(g_sorted, -1)
-    row_bits = per_row(bits.view(B, H, P).gather(-1, order), 0)
+    query = by_row(t_sorted, 0)
+    pos = by_row(q_start + t_sorted, -1)  # -1: a padding row, which sees no key
+    row_group = by_row(g_sorted, -1)
+    row_bits = by_row(bits.view(B, H, P).gather(-1, order), 0)
     row_first = row_group * per  # the first block of the row's group
 
     def mask_mod(b, h, i, j):
@@ -1650,7 +1687,8 @@ def selection_rows(blocks, T, S, q_start, k_start, block, q_tile, kv_tile):
 
 def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     """attention.block_attention: one FlexAttention call over `selection_rows` (each row one
-    query's blocks in one key tile, with its log-sum-exp), then each query's rows merged:
+    query's blocks in one group: the blocks one key tile holds, or one block where a block
+    spans several tiles; with its log-sum-exp), then each query's rows merged:
     out = sum_r exp(lse_r - logsumexp_r lse_r) out_r, 0 where no row sees a key."""
     B, H, T, D = q.shape
     S = k.shape[2]
@@ -1682,7 +1720,7 @@ def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
     model), inductor turns each into one kernel with indexed loads (and the backward's
     gradients of k and v into indexed atomic adds), so no (T, n, D) tensor exists, only
     the (H, T, n) scores [DS32]'s own kernel keeps. The query heads of a key head read the
-    same gathered keys (the selection is per query). Eager (CPU tests, decode-sized calls)
+    same gathered keys (the selection is per query). Eager (CPU tests, DECODE's calls)
     it materialises the gathered keys: correct, not fast."""
     q, k, v = _same_dtype(q, k, v)
     return compiled_on_gpu(_gathered_attention, q)(q, k, v, scale, q_start, k_start, keys)
@@ -1754,7 +1792,7 @@ FLEX = Ops(
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
     compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
-    indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate)
+    indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)
 
 
 # ---------------------------------------------------------------------------- DECODE: a few query rows against a long KV cache
@@ -1878,12 +1916,9 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     q, k, v = _same_dtype(q, k, v)
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    n = blocks.shape[-1]
-    repeat = ((blocks[..., :, None] == blocks[..., None, :])
-              & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)).any(-1)  # a block listed twice counts once
     idx = blocks[..., None] * block + torch.arange(block, device=q.device) - k_start  # (B, H, T, n, block)
     q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
-    ok = ((blocks >= 0) & ~repeat)[..., None] & (idx >= 0) & (idx < S) & (idx + k_start <= q_pos)
+    ok = ((blocks >= 0) & ~repeated(blocks))[..., None] & (idx >= 0) & (idx < S) & (idx + k_start <= q_pos)
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1, 1)
     h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1, 1)  # each query head's key head
     at = idx.clamp(0, S - 1)
@@ -1904,7 +1939,8 @@ def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):
     """(B, H, T, C) float32: attention.compressed_probs, the compressed keys read once per key head."""
     T, C = q.shape[2], k_cmp.shape[2]
     q_pos = q_start + torch.arange(T, device=q.device)[:, None]
-    return _softmax_or_zero(_decode_logits(q, k_cmp, scale), torch.arange(C, device=q.device) * stride + length - 1 <= q_pos)
+    seen = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C): complete by then
+    return _softmax_or_zero(_decode_logits(q, k_cmp, scale), seen)
 
 
 def decode_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
@@ -1934,4 +1970,4 @@ DECODE = Ops(
     combiner_attention=decode_combiner_attention, block_attention=decode_block_attention,
     selected_attention=decode_selected_attention, compressed_attention=decode_compressed_attention,
     block_scores=decode_block_scores, indexer_topk=decode_indexer_topk, indexer_kl=chunked_indexer_kl,
-    mean_pair_gate=chunked_mean_pair_gate)
+    mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)

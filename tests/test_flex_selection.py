@@ -1,7 +1,7 @@
 """FLEX's selecting kernels (kernels.py, "selected blocks"): block attention (nsa's selected
 branch, moba) as one FlexAttention call over a virtual query sequence sorted by key tile,
 merged by log-sum-exp; the work each BlockMask leaves against the keys the definition reads
-(issue 42); combiner's BlockMask likewise.
+(the GPU path's goal: work that follows the selection); combiner's BlockMask likewise.
 
 On CPU, eager FlexAttention has no backward for q, k, v. The gradients of everything around
 the kernel (the gather of the queries, the merge) are tested with `dense_flex` in place of
@@ -129,7 +129,7 @@ def test_decode_sized_calls_gather_their_blocks(monkeypatch):
             assert rel(a, b) < 1e-5
 
 
-# ---------------------------------------------------------------------------- work (issue 42)
+# ---------------------------------------------------------------------------- work against the keys read
 
 def work_of(call, *args):
     """(FlexAttention work: tiles listed x tile area, rows: its query rows) of one op call,

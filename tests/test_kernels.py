@@ -342,8 +342,8 @@ LOG_SIGMOID_CONFIGS = [("asga", dict(asga_gate="learned", asga_gate_space="prob"
 
 @pytest.mark.parametrize("attn,flags", LOG_SIGMOID_CONFIGS, ids=["asga-prob", "caa"])
 def test_flex_score_mods_run_where_logsigmoid_cannot(attn, flags, log_sigmoid_as_on_cuda, fresh_dynamo):
-    """The score_mods that take a log sigmoid run under uncompiled FlexAttention (the path of
-    decode-sized calls, kernels.DECODE_ROWS) with F.logsigmoid given CUDA's contract (the
+    """The score_mods that take a log sigmoid run under uncompiled FlexAttention (kernel=flex
+    off CUDA, or with its compile off) with F.logsigmoid given CUDA's contract (the
     fixture), and their output and gate gradients equal the reference's. First, the fixture
     is shown to re-create the GPU's failure: a score_mod that calls F.logsigmoid fails in it.
     What this cannot show: anything else CUDA does differently under vmap; the tests marked
@@ -354,7 +354,7 @@ def test_flex_score_mods_run_where_logsigmoid_cannot(attn, flags, log_sigmoid_as
         flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + torch.nn.functional.logsigmoid(s))
     module = make_module(attn, n_head=2, n_kv_head=1, **flags, **WINDOWS["w100"])
     gates = [p for name, p in module.named_parameters() if "proj" not in name and "norm" not in name]
-    for p0, T in ((300, 1), (0, 7)):  # one decoded token after a cache; a short prompt
+    for p0, T in ((300, 17), (0, 20)):  # queries after a cache; a prompt (above DECODE_ROWS: FlexAttention's path)
         q, k, v, x, cotangent = inputs(module, T, 1, p0, 0, seed=2, grad=False)
         results = []
         for kernel in ("flex", "ref"):

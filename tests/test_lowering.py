@@ -210,8 +210,8 @@ def test_captured_gradients_are_per_row(attn, flags):
 def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
     """With the compiled GPU path forced on (as on CUDA: FlexAttention, and the indexer's
     gathered attention), a prompt and then 20 cached decoding steps compile at most twice:
-    decode-sized calls (kernels.DECODE_ROWS) run uncompiled, instead of one compile per
-    cache length (dynamo stops at 8). The compiles are counted by dynamo with a counting
+    decode-sized calls (kernels.DECODE_ROWS) run kernels.DECODE, uncompiled, instead of one
+    compile per cache length (dynamo stops at 8). The compiles are counted by dynamo with a counting
     backend (no code generated); the indexer's prompt is seen compiling its gather."""
     from torch._dynamo.testing import CompileCounter
 
