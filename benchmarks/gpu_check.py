@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py                 # on a GPU node: ~20-40 min on one H100 (not yet measured)
     python benchmarks/gpu_check.py --tiny          # the same steps at a tiny shape (the default on a CPU)
-    python benchmarks/gpu_check.py --profile       # issue 42's profile: ~8 min on one H100, compiles included
+    python benchmarks/gpu_check.py --profile       # where the time goes: ~8 min on one H100, compiles included
     python benchmarks/gpu_check.py --profile --dry_run   # the same code path at the tiny shape (seconds, any device)
 
 1. tests: the CUDA-only tests (`pytest -m cuda tests`): compiled FlexAttention's gradients
@@ -63,7 +63,8 @@ CONFIGS = [
     ("combiner", {}), ("nsa", {}), ("moba", {}), ("indexer", {}),
 ]
 # --profile's order, as its budget may not reach the last rows: SDPA's own path first, then the
-# selecting variants issue 42 is about, and asga last, whose pair-gate kernel compiles longest.
+# selecting variants (nsa, moba, the indexer: the GPU path rebuilt so that their work follows
+# the selection, not yet timed on a GPU), and asga last, whose pair-gate kernel compiles longest.
 PROFILE_ORDER = ("full", "nsa", "moba", "indexer", "combiner", "local", "dsa", "caa", "asga")
 
 
@@ -438,7 +439,7 @@ def main(argv=None):
     parser.add_argument("--lengths", help="comma-separated sequence lengths for the attention step "
                         "(default: the shape's, 1024..8192 on a GPU)")
     parser.add_argument("--steps", type=int, help="timed training steps per configuration (default: the shape's)")
-    parser.add_argument("--profile", action="store_true", help="issue 42's profile instead of the three steps: "
+    parser.add_argument("--profile", action="store_true", help="where the time goes, instead of the three steps: "
                         "compile s, top kernels and time over SDPA per variant at T = 4096 and 16384, then training")
     parser.add_argument("--dry_run", action="store_true", help="--profile at the tiny shape (any device, seconds)")
     parser.add_argument("--budget_s", type=float, help="--profile's time budget in seconds (default 480 on a GPU)")

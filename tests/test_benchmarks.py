@@ -110,7 +110,7 @@ def test_train_step_ab_runs_each_checkouts_own_code(tmp_path):
 
 
 def test_gpu_check_profile_dry_run(tmp_path):
-    """benchmarks/gpu_check.py --profile (issue 42's profile, ~8 minutes on an H100) runs end to end
+    """benchmarks/gpu_check.py --profile (where the GPU time goes, ~8 minutes on an H100) runs end to end
     at the tiny shape with --dry_run: per variant, the first step's seconds, the top kernels
     (ops on a CPU) of one forward + backward at the first length, the time over SDPA's at both
     lengths, then training steps; a budget that leaves no time skips rows and says so. (asga

@@ -7,10 +7,11 @@
 (b) the ops dispatched outside the kernels do not grow with T (no Python loop over chunks
     or tiles), except in those parts, which may grow only by GPU-sized pieces;
 (c) nsa's, moba's and combiner's FlexAttention work is at most 2.5x the keys their definition
-    reads per query, plus one diagonal band of tiles per call (issue 42, item 2).
+    reads per query, plus one diagonal band of tiles per call (the goal the GPU path was
+    rebuilt for: work that follows each selection).
 
-Some fail on the code they were written against (issue 42): they are the target of the
-kernels work, not a description of it. On main at a793f11 (GPU-sized pieces, the indexer's keys
+Some failed on the code they were written against: they were the target of that rebuild,
+not a description of it. On main at a793f11 (GPU-sized pieces, the indexer's keys
 read by index) (a) and (b) pass and (c) fails for nsa and moba, whose selection masks list
 nearly every tile; on the commit before, (a) and (b) failed for the indexer and (b) for nsa too.
 """

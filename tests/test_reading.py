@@ -1,5 +1,5 @@
 """What a reader of attention.py must read to learn what a selecting variant computes, counted
-one reproducible way (`reading_lines`), and held under the budget issue 43 set: nsa <= 150,
+one reproducible way (`reading_lines`), and held under a budget of what a first reading costs: nsa <= 150,
 indexer <= 150, moba <= 80. `python tests/test_reading.py [PATH]` prints the counts for any
 version of attention.py (e.g. one from `git show main:attention.py > /tmp/a.py`).
 
@@ -69,12 +69,67 @@ def reading_lines(variant, path=Path(__file__).resolve().parent.parent / "attent
 
 
 BUDGET = {"nsa": 150, "indexer": 150, "moba": 80}
+# What may not appear in a method's lines (attention.py's header: the engineering sits under the
+# marker): the KV cache, recording, the checks of what the cache keeps.
+NOT_THE_METHOD = ("cache", "note(", "need_every_key", "state[")
+TRACKER = re.compile(r"\b(issues?|tasks?|tickets?|PR|pull request)\s*#?\d+|#\d{2,}\b", re.IGNORECASE)
 
 
 def test_selecting_variants_read_within_budget():
     for variant, budget in BUDGET.items():
         total, section, helpers = reading_lines(variant)
         assert total <= budget, (variant, total, section, helpers)
+
+
+def engineering_in_methods(path=Path(__file__).resolve().parent.parent / "attention.py"):
+    """[(section, line)]: the lines of a variant's section (or the section its helpers share)
+    before its marker that name what NOT_THE_METHOD lists."""
+    lines = Path(path).read_text().splitlines()
+    found = []
+    for name, (first, end) in sections(lines).items():
+        if name in NOT_A_METHOD - {"full"}:
+            continue
+        found += [(name, line.strip()) for line in method_lines(lines, first, end)
+                  if any(word in line for word in NOT_THE_METHOD)]
+    return found
+
+
+def test_no_method_line_is_about_caching_or_recording():
+    assert engineering_in_methods() == []
+
+
+def test_the_engineering_check_sees_a_cache_put_back(tmp_path):
+    """The check on attention.py with one of the old lines put back into nsa's method (its
+    compressed keys from the cache's state) and a note call into moba's: both are named."""
+    lines = (Path(__file__).resolve().parent.parent / "attention.py").read_text().splitlines()
+    for variant, line in (("nsa", '        k_cmp = cache.state["k_cmp"]'), ("moba", '        self.note("selection", 0)')):
+        attend = next(i for i, text in enumerate(lines) if text.startswith("    def attend(")
+                      and i > sections(lines)[variant][0])
+        lines.insert(attend + 1, line)
+    path = tmp_path / "attention.py"
+    path.write_text("\n".join(lines))
+    assert sorted(name for name, _ in engineering_in_methods(path)) == ["moba", "nsa"]
+
+
+def tracker_numbers(root=Path(__file__).resolve().parent.parent):
+    """[(file, line)]: lines of the project's .py files that cite an issue or tracker number."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part.startswith(".") or part in ("__pycache__", "out", "data") for part in path.relative_to(root).parts):
+            continue
+        found += [(str(path.relative_to(root)), line.strip()) for line in path.read_text().splitlines()
+                  if TRACKER.search(line)]
+    return found
+
+
+def test_no_py_file_cites_a_tracker_number():
+    assert tracker_numbers() == []
+
+
+def test_the_tracker_check_sees_one(tmp_path):
+    cited = [f"x = 1  # see issue {42}", f"y = 2  # fixed in #{123}"]  # (formatted: this file cites none)
+    (tmp_path / "a.py").write_text("\n".join(cited + ["z = 3  # 4 x 64 keys, 12 heads"]) + "\n")
+    assert [line for _, line in tracker_numbers(tmp_path)] == cited
 
 
 def test_the_count_sees_bookkeeping_and_helpers(tmp_path):
