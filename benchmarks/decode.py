@@ -1,0 +1,229 @@
+"""Long-context inference, every variant beside `full` in one process: the prefill of T tokens
+through a KV cache, then the median time of a one-token decoding step after it, at batch 1
+and at a larger batch (the cache filled at batch 1, then repeated along the batch), each
+relative to `full` at the same T and batch; the KV cache's bytes per layer; and each step
+against the time to read once what its definition reads (the memory bound).
+
+    python benchmarks/decode.py                    # CPU: T = 2048, 8192, 32768; batch 1 and 8
+    python benchmarks/decode.py --device=cuda      # bf16; batch 1 and 16
+    python benchmarks/decode.py --lengths=2048 --variants=full,nsa --steps=5   # a quick look
+
+The model: qwen-134m's widths (12 heads of 64, no GQA, d_model 768, MLP 2432) cut to
+--layers=2, random weights, kernel='fused' (its decoding steps run kernels.DECODE), float32
+on a CPU (bf16 autocast on CUDA), the embedding and head at a 256-id vocabulary (--vocab), so
+that what a step reads is the layers and their caches. One thread by default (--threads).
+
+What is printed, per variant and T:
+- prefill: seconds for the T-token prompt (one run), and that over `full`'s.
+- decode: the median ms of --steps one-token steps, its spread (min - max over the steps)
+  and that over `full`'s median, at batch 1 and at --batch.
+- cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
+  keys, values, summaries, and the inputs of the windows not yet summarised).
+- read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x
+  bound: the batch-1 step over the time to read once the model's weights and every layer's
+  definition reads, at the read bandwidth measured here (a sum over a tensor of that size).
+
+A variant whose prefill would take longer than --budget seconds, extrapolated from its time
+at the last length as T^2 (asga's pair gate and caa's ranking score every (query, key) pair),
+is skipped at the longer lengths, and the table says so. Rows are saved to --out as they are
+measured; a rerun keeps the rows already there for the same settings (--fresh: measure all).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from model import PRESETS, Model, ModelConfig  # noqa: E402
+
+ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
+MB = 1e6
+
+
+def build(attn, layers, vocab, device, seed=0):
+    cfg = ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=attn, kernel="fused"))
+    torch.manual_seed(seed)
+    return Model(cfg).to(device).eval()
+
+
+def definition_reads(module, S, elem):
+    """Bytes of the KV cache (and its summaries) that one decoding step's definition reads in
+    one layer at batch 1, the query at position S - 1 after S - 1 cached keys: the keys and
+    values it attends to, and the keys or summaries its selection scores."""
+    cfg = module.cfg
+    Hkv, H, D = cfg.n_kv_head, cfg.n_head, cfg.head_dim
+    kv = 2 * Hkv * D  # one position's key and value
+    name = cfg.attn
+    if name == "local" or (name == "asga" and cfg.asga_gate == "fixed"):
+        return elem * kv * min(S, cfg.window + 1)
+    if name == "dsa":
+        windowed = cfg.dsa_window == "fixed" or (cfg.dsa_window == "adaptive" and S - 1 >= cfg.dsa_threshold)
+        return elem * kv * (min(S, cfg.window + 1) if windowed else S)
+    if name == "combiner":  # its own block's keys, one summary (kbar per key head, vbar per query head) per block
+        s = cfg.window
+        return elem * (kv * ((S - 1) % s + 1) + (Hkv + H) * D * ((S - 1) // s))
+    if name == "nsa":
+        C = max(0, (S - cfg.nsa_cmp_block) // cfg.nsa_cmp_stride + 1)
+        return elem * kv * (C + min(S, cfg.nsa_topk * cfg.nsa_block) + min(S, cfg.nsa_window + 1))
+    if name == "moba":
+        return elem * (Hkv * D * (S // cfg.moba_block) + kv * min(S, cfg.moba_topk * cfg.moba_block))
+    if name == "indexer":  # every indexer key (eq. 1 scores them all), then k keys and values
+        return elem * (cfg.index_head_dim * S + kv * min(S, module.topk))
+    if name == "caa":  # every key to rank them; the values of the local window and the top k
+        return elem * (Hkv * D * S + Hkv * D * (min(S, cfg.caa_window_max + 1) + math.isqrt(S - 1) + 1))
+    return elem * kv * S  # full, asga (its gate reads every key)
+
+
+def read_bandwidth(nbytes, device, repeats=5):
+    """Bytes per second of a sum over a float32 tensor of nbytes (median of `repeats`)."""
+    x = torch.ones(max(1, int(nbytes) // 4), device=device)
+    times = []
+    for _ in range(repeats):
+        t0 = clock(device)
+        x.sum()
+        times.append(clock(device) - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def clock(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def decode_steps(model, cache, batch, steps, device, start_token=0):
+    """Seconds of each of `steps` one-token steps at this batch."""
+    times = []
+    token = torch.full((batch, 1), start_token, dtype=torch.long, device=device)
+    for _ in range(steps):
+        t0 = clock(device)
+        logits, _ = model(token, cache=cache)
+        times.append(clock(device) - t0)
+        token = logits[:, -1:].argmax(-1)
+    return times
+
+
+def measure(attn, T, args, autocast):
+    """One row: prefill and decoding of `attn` at T."""
+    model = build(attn, args.layers, args.vocab, args.device)
+    idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
+    with torch.no_grad(), autocast:
+        cache = model.new_cache()
+        t0 = clock(args.device)
+        model(idx, cache=cache)
+        prefill = clock(args.device) - t0
+        nbytes = cache[0].nbytes()
+        one = decode_steps(model, cache, 1, args.steps, args.device)
+        for layer in cache:
+            layer.repeat_batch(args.batch)
+        many = decode_steps(model, cache, args.batch, args.steps, args.device)
+    elem = 2 if args.device == "cuda" else 4
+    reads = definition_reads(model.layers[0].self_attn, T + args.steps, elem)
+    weights = sum(p.numel() * elem for p in model.parameters())
+    del cache, model
+    return dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes,
+                decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
+                reads_per_layer=reads, weight_bytes=weights)
+
+
+def spread(ms):
+    return f"{min(ms):.1f}-{max(ms):.1f}"
+
+
+def table(rows, args, bandwidth):
+    """The Markdown table of `rows`, each relative to full's at the same T."""
+    by = {(r["T"], r["variant"]): r for r in rows}
+    out = [f"| variant | T | prefill s | x full | decode ms, batch 1 (spread) | x full | decode ms, batch "
+           f"{args.batch} (spread) | x full | cache MB/layer | reads MB/layer | x bound |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for T in args.lengths:
+        base = by.get((T, "full"))
+        for name in args.variants:
+            r = by.get((T, name))
+            if r is None:
+                continue
+            if "skipped" in r:
+                out.append(f"| {name} | {T} | skipped: {r['skipped']} |" + " |" * 8)
+                continue
+            one, many = statistics.median(r["decode_ms"]), statistics.median(r["decode_batch_ms"])
+            bound_ms = 1e3 * (r["weight_bytes"] + args.layers * r["reads_per_layer"]) / bandwidth
+
+            def rel(value, key, fn=statistics.median):
+                return f"{value / fn(base[key]):.2f}" if base else "-"
+            out.append(f"| {name} | {T} | {r['prefill_s']:.2f} | {rel(r['prefill_s'], 'prefill_s', lambda x: x)} "
+                       f"| {one:.1f} ({spread(r['decode_ms'])}) | {rel(one, 'decode_ms')} "
+                       f"| {many:.1f} ({spread(r['decode_batch_ms'])}) | {rel(many, 'decode_batch_ms')} "
+                       f"| {r['cache_bytes_per_layer'] / MB:.1f} | {r['reads_per_layer'] / MB:.2f} "
+                       f"| {one / bound_ms:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--lengths", default=None, help="comma-separated T (default 2048,8192,32768)")
+    p.add_argument("--variants", default=",".join(ORDER))
+    p.add_argument("--batch", type=int, default=None, help="the larger batch (default 8 on cpu, 16 on cuda)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--budget", type=float, default=900.0, help="seconds a prefill may take (extrapolated as T^2)")
+    p.add_argument("--out", default=None, help="JSON rows (default benchmarks/decode_<device>.json)")
+    p.add_argument("--fresh", action="store_true", help="measure every row again")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not cuda:
+        sys.exit("decode.py: --device=cuda but torch.cuda.is_available() is False")
+    args.lengths = [int(t) for t in (args.lengths or "2048,8192,32768").split(",")]
+    args.variants = [v for v in args.variants.split(",")]
+    unknown = set(args.variants) - set(ORDER)
+    if unknown:
+        sys.exit(f"decode.py: unknown variants {sorted(unknown)}; valid: {', '.join(ORDER)}")
+    args.batch = args.batch or (16 if args.device == "cuda" else 8)
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), f"decode_{args.device}.json")
+    torch.set_num_threads(args.threads)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
+    settings = dict(device=args.device, batch=args.batch, steps=args.steps, layers=args.layers, vocab=args.vocab,
+                    threads=args.threads, torch=torch.__version__)
+    saved = {}
+    if os.path.exists(args.out) and not args.fresh:
+        old = json.load(open(args.out))
+        if old.get("settings") == settings:
+            saved = {(r["T"], r["variant"]): r for r in old["rows"]}
+    rows = dict(saved)
+    print(f"decode.py: {settings}, lengths {args.lengths}, variants {args.variants}", flush=True)
+    for i, T in enumerate(args.lengths):
+        for name in args.variants:
+            if (T, name) in rows:
+                continue
+            last = rows.get((args.lengths[i - 1], name)) if i else None
+            if last and "prefill_s" in last and last["prefill_s"] * (T / args.lengths[i - 1]) ** 2 > args.budget:
+                guess = last["prefill_s"] * (T / args.lengths[i - 1]) ** 2
+                rows[T, name] = dict(variant=name, T=T, skipped=f"prefill ~{guess:.0f} s extrapolated as T^2 from "
+                                     f"{last['prefill_s']:.0f} s at {args.lengths[i - 1]} (> --budget {args.budget:.0f})")
+            elif last and "skipped" in last:
+                rows[T, name] = dict(variant=name, T=T, skipped=f"skipped at {args.lengths[i - 1]}")
+            else:
+                rows[T, name] = measure(name, T, args, autocast)
+            r = rows[T, name]
+            print(f"  T={T} {name}: " + (r["skipped"] if "skipped" in r else
+                  f"prefill {r['prefill_s']:.2f} s, decode {statistics.median(r['decode_ms']):.1f} ms, batch "
+                  f"{args.batch} {statistics.median(r['decode_batch_ms']):.1f} ms"), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(dict(settings=settings, rows=list(rows.values())), f, indent=1)
+    measured = [r for r in rows.values() if "prefill_s" in r and r["T"] in args.lengths]
+    largest = max((r["weight_bytes"] + args.layers * r["reads_per_layer"] for r in measured), default=1 << 26)
+    bandwidth = read_bandwidth(largest, args.device)
+    print(f"\nread bandwidth: {bandwidth / 1e9:.1f} GB/s (a sum over {largest / MB:.0f} MB, {args.threads} thread(s))\n")
+    print(table(list(rows.values()), args, bandwidth))
+
+
+if __name__ == "__main__":
+    main()
