@@ -8,8 +8,9 @@ in a labelled section before both. `python attention.py` draws which keys each q
 under every variant (`--show=NAME` for one).
 
 This file is not what runs by default. kernel='fused' (the default) runs kernels.py's fast
-forms of these functions: FLEX (FlexAttention + SDPA) on CUDA, BLOCKWISE on CPU; only
-kernel='ref' runs this file as written (`ops`, at the end). Tests hold the two equal, outputs
+forms of these functions: FLEX (FlexAttention + SDPA) on CUDA, BLOCKWISE on CPU, DECODE for
+a decoding step's few query rows; only kernel='ref' runs this file as written (`ops`, at the
+end). Tests hold the two equal, outputs
 and gradients: tests/test_kernels.py (every variant and flag, both paths),
 test_sparse_baselines.py (nsa, moba), test_indexer.py (indexer), test_combiner.py (combiner);
 and tests/test_meaning.py holds this file to the equations written out as loops.
@@ -77,15 +78,22 @@ so nothing is read back from the device). Grouped-query attention: query head h 
 head h // (H / Hkv) (`expand_kv`). Materialising (T, S) score matrices is deliberate in this
 file: it is for reading.
 
-Which implementation runs. A variant calls a few operations through `self.ops(device)`: the
+Which implementation runs. A variant calls a few operations through `self.ops(q)`: the
 core attentions (`attention`, `pair_gated_attention`, `topk_attention`, `combiner_attention`,
 `block_attention`, `selected_attention`, each defined directly above the first variant that
 uses it) and the stages that need a fast form (nsa's `compressed_attention` and
 `block_scores`, the indexer's `indexer_topk` and `indexer_kl`, asga's recorded
-`mean_pair_gate`). `ops` at the end of this file is the one place that picks this file's
-definitions (kernel='ref') or kernels.py's fast forms of the same functions (chunked,
-checkpointed, fused; tested against these). Imports run one way: kernels.py imports nothing
-from here.
+`mean_pair_gate`, the selections' `top_n`). `ops` at the end of this file is the one place
+that picks this file's definitions (kernel='ref') or kernels.py's fast forms of the same
+functions (chunked, checkpointed, fused, or read from a KV cache; tested against these).
+Imports run one way: kernels.py imports nothing from here.
+
+Summaries. nsa's compressed keys, moba's block means, combiner's spans, the indexer's keys
+and asga's per-key gate term are functions of the keys of one window of positions each
+(`summarise`, in the method; `summary_window`, under the marker). `attend` computes them from
+every key unless it is handed them: a decoding step is (model.KVCache keeps each summary from
+the step that completes its window), so a step reads the summaries and what the selection
+names, not every cached key.
 
 A new variant is a subclass of CausalSelfAttention (its reference above it, an entry in
 VARIANTS); a new fast stage is a reference function here, an `Ops` field, and its versions in
@@ -660,13 +668,18 @@ class ASGAttention(CausalSelfAttention):
             nn.init.zeros_(self.b2)
 
     def pair_terms(self, q, k):
-        """The per-query and per-key halves of W1 [LN(q); LN(k)] + b1: (B,H,T,r), (B,H,S,r)
-        (k is expanded to the query heads first: W1 is per query head)."""
-        D = q.shape[-1]
+        """The per-query and per-key halves of W1 [LN(q); LN(k)] + b1: (B,H,T,r), (B,H,S,r)."""
+        return self.query_terms(q), self.summarise(q, k, None, None, 0)
+
+    def query_terms(self, q):
+        """LN(q) W1_q + b1 (B, H, T, r)."""
+        return torch.einsum("bhtd,hdr->bhtr", F.layer_norm(q, (q.shape[-1],)), self.w1_q) + self.b1[None, :, None, :]
+
+    def summarise(self, q, k, v, x, start):
+        """LN(k) W1_k (B, H, S, r), one per key (k expanded to the query heads first: W1 is per
+        query head)."""
         k = expand_kv(k, self.n_head)
-        q_term = torch.einsum("bhtd,hdr->bhtr", F.layer_norm(q, (D,)), self.w1_q)
-        k_term = torch.einsum("bhsd,hdr->bhsr", F.layer_norm(k, (D,)), self.w1_k)
-        return q_term + self.b1[None, :, None, :], k_term
+        return torch.einsum("bhsd,hdr->bhsr", F.layer_norm(k, (k.shape[-1],)), self.w1_k)
 
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
         cfg, op = self.cfg, self.ops(q)
@@ -677,7 +690,8 @@ class ASGAttention(CausalSelfAttention):
             return op.attention(q, k, v, scale, q_start, k_start)
         if cfg.asga_gate == "fixed":
             return op.attention(q, k, v, scale, q_start, k_start, window=cfg.window)
-        q_term, k_term = self.pair_terms(q, k)  # (B, H, T, r), (B, H, S, r)
+        q_term = self.query_terms(q)  # (B, H, T, r)
+        k_term = self.summarise(q, k, v, x, k_start) if summary is None else summary  # (B, H, S, r)
         return op.pair_gated_attention(q, k, v, q_term, k_term, self.w2, self.b2, scale,
                                        q_start, k_start, cfg.asga_gate_space)
 
@@ -685,6 +699,10 @@ class ASGAttention(CausalSelfAttention):
     FROM_PRETRAINED = ("not neutral: its pair gate starts near s = 0.5, which halves every logit (a "
                        "temperature of 2)")
     DYNAMICS = (("scale", "softplus(gamma) per head", True), ("pair_gate", "mean pair gate s per layer", False))
+
+    def summary_window(self):
+        # the learned gate's per-key term, one per key: a decoding step computes its own key's only
+        return (1, 1) if self.cfg.asga_gate == "learned" else None
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         if self.cfg.asga_scale:

@@ -1872,8 +1872,8 @@ def decode_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start,
     S, r = k.shape[2], q_term.shape[-1]
     logits = _decode_logits(q, k, scale)  # (B, H, T, S)
     step = max(1, PAIR_GATE_HIDDEN // (B * H * T * r))
-    z = torch.cat([(F.gelu(q_term.float()[:, :, :, None] + k_term.float()[:, :, None, c0:c0 + step])
-                    * w2.float()[None, :, None, None]).sum(-1) for c0 in range(0, S, step)], -1)
+    z = torch.cat([torch.einsum("bhtsr,hr->bhts", F.gelu(q_term.float()[:, :, :, None] + k_term.float()[:, :, None, c0:c0 + step]),
+                                w2.float()) for c0 in range(0, S, step)], -1)
     z = z + b2.float()[None, :, None, None]  # (B, H, T, S)
     logits = logits * torch.sigmoid(z) if gate_space == "logit" else logits + F.logsigmoid(z)
     return _decode_output(_softmax_or_zero(logits, _positions(T, S, q_start, k_start, q.device) >= 0), v)
