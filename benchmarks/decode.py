@@ -14,7 +14,8 @@ on a CPU (bf16 autocast on CUDA), the embedding and head at a 256-id vocabulary 
 that what a step reads is the layers and their caches. One thread by default (--threads).
 
 What is printed, per variant and T:
-- prefill: seconds for the T-token prompt (one run), and that over `full`'s.
+- prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
+  compiles the GPU path for that shape), and that over `full`'s.
 - decode: the median ms of --steps one-token steps, its spread (min - max over the steps)
   and that over `full`'s median, at batch 1 and at --batch.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
@@ -114,6 +115,8 @@ def measure(attn, T, args, autocast):
     model = build(attn, args.layers, args.vocab, args.device)
     idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
     with torch.no_grad(), autocast:
+        if args.device == "cuda":  # compiles (one per shape) outside the timing
+            model(idx, cache=model.new_cache())
         cache = model.new_cache()
         t0 = clock(args.device)
         model(idx, cache=cache)

@@ -200,3 +200,35 @@ def test_gpu_check_profile_times_the_compiled_core(monkeypatch):
     row, = profile(broken)
     assert row["path"].startswith("eager: the compile failed") and "no kernel for this" in row["path"], row
     assert row["ms"] > 0
+
+
+def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
+    """benchmarks/decode.py at two short lengths: one row per variant and T with the prefill
+    and the decoding steps at both batches, full's ratio 1 and each ratio its median over
+    full's; the cache's bytes are what KVCache.nbytes says (local's window, full's every key);
+    a rerun keeps the saved rows, and a length whose extrapolated prefill exceeds --budget is
+    skipped with the reason printed."""
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--lengths=64,128", "--variants=full,local,nsa",
+           "--steps=2", "--layers=1", f"--out={out}"]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(T, v) for T in (64, 128) for v in ("full", "local", "nsa")}
+    D, H = 64, 12  # qwen-134m's heads
+    assert rows[128, "full"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # every key and value, float32 (after the prefill)
+    assert rows[128, "local"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # the window (256) holds them all
+    assert all(len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 2 for row in rows.values())
+    line = next(x for x in r.stdout.splitlines() if x.startswith("| nsa | 128 |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    full = rows[128, "full"]
+    assert float(cells[3]) == pytest.approx(rows[128, "nsa"]["prefill_s"] / full["prefill_s"], abs=0.006)
+    assert float(cells[5]) == pytest.approx(statistics.median(rows[128, "nsa"]["decode_ms"])
+                                            / statistics.median(full["decode_ms"]), abs=0.006)
+    assert "| full | 64 | " in r.stdout and "| 1.00 |" in r.stdout.split("| full | 64 |")[1].split("\n")[0]
+    again = subprocess.run(cmd + ["--lengths=64,128,256", "--budget=0"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    kept = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
+    assert all(kept[key] == rows[key] for key in rows)  # measured once
+    assert "skipped" in kept[256, "nsa"] and "extrapolated as T^2" in again.stdout
