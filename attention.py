@@ -1531,11 +1531,6 @@ class IndexerAttention(CausalSelfAttention):
         self.loss = LossSlot()
 
     @property
-    def indexer_loss(self):
-        """L^I of the last forward in training mode; None after one in eval mode."""
-        return self.loss.value
-
-    @property
     def topk(self):
         return self.cfg.index_topk or self.cfg.window
 
@@ -1557,14 +1552,24 @@ class IndexerAttention(CausalSelfAttention):
         else:
             keys = op.indexer_topk(q_idx, k_idx, w, q_start, k_start, self.topk)  # S_t, (B, T, n)
             y = op.selected_attention(q, k, v, self.scale, q_start, k_start, keys)  # eq. 2
-        # L^I (eqs. 3-4) after a forward in training mode, the indexer's own loss (train.py adds it)
-        self.loss.value = op.indexer_kl(q, k, self.scale, q_idx, k_idx, w, q_start, k_start, keys) if self.training \
-            else None
+        # L^I (eqs. 3-4), the indexer's own loss, after a forward in training mode (train.py adds it)
+        self.indexer_loss = (op.indexer_kl(q, k, self.scale, q_idx, k_idx, w, q_start, k_start, keys)
+                             if self.training else None)
         return y
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = ("not neutral: its indexer is random (the N(0, 0.02) init), so the top-k keys are random "
                        "until the indexer's KL warm-up trains it")
+
+    @property
+    def indexer_loss(self):
+        """L^I of the last forward in training mode; None after one in eval mode. Held in a
+        LossSlot (`self.loss`), which a copy of the module gets empty."""
+        return self.loss.value
+
+    @indexer_loss.setter
+    def indexer_loss(self, value):
+        self.loss.value = value
 
     def summary_window(self):
         return 1, 1  # one indexer key per position
