@@ -1000,7 +1000,10 @@ class CombinerAttention(CausalSelfAttention):
                                   self.scale)
 
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
-        kbar, vbar = self.summarise(q, k, v, x, k_start) if summary is None else summary
+        if summary is None:  # the blocks before the last query's own, which it reads directly
+            n = (q_start + q.shape[2] - 1) // self.cfg.window * self.cfg.window - k_start
+            summary = self.summarise(q[:, :, :n], k[:, :, :n], v[:, :, :n], x, k_start)
+        kbar, vbar = summary
         return self.ops(q).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start, self.cfg.window)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
