@@ -1,0 +1,72 @@
+"""benchmarks/decode.py's prefill and batch-1 decoding for several checkouts (commits), in one
+process, each variant's time and its ratio to that checkout's `full`, so a change to the
+decoding path is measured before and after under the same machine load.
+
+    git worktree add --detach /tmp/old 42bd2e2
+    python benchmarks/decode_ab.py before=/tmp/old after=. --lengths=2048,8192
+
+Each checkout's model.py, attention.py and kernels.py are imported apart (train_step_ab.load);
+its model is built with decode.py's settings (2 layers of qwen-134m widths, vocab 256, float32,
+kernel='fused', one thread) and driven only through `new_cache()` and `model(idx, cache=...)`,
+which every checkout has. Per T and variant, the checkouts run one after the other.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode import clock, decode_steps  # noqa: E402
+from train_step_ab import load  # noqa: E402
+
+
+def run(models, attn, T, steps):
+    """(prefill s, median decode ms) of `attn` at T, batch 1."""
+    cfg = models.ModelConfig(**dict(models.PRESETS["qwen-134m"], n_layer=2, vocab_size=256, attn=attn,
+                                    kernel="fused"))
+    torch.manual_seed(0)
+    model = models.Model(cfg).eval()
+    idx = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model.new_cache()
+        t0 = clock("cpu")
+        model(idx, cache=cache)
+        prefill = clock("cpu") - t0
+        return prefill, 1e3 * statistics.median(decode_steps(model, cache, 1, steps, "cpu"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkouts", nargs="+", help="label=path of a checkout (the first is the baseline)")
+    p.add_argument("--lengths", default="2048,8192")
+    p.add_argument("--variants", default="full,local,combiner,nsa,moba,indexer")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    trees = [c.split("=", 1) for c in args.checkouts]
+    models = {label: load(label, root) for label, root in trees}
+    variants = args.variants.split(",")
+    if "full" not in variants:
+        variants = ["full"] + variants
+    rows = {}
+    for T in (int(t) for t in args.lengths.split(",")):
+        for attn in variants:
+            for label, _ in trees:
+                rows[T, attn, label] = run(models[label], attn, T, args.steps)
+                print(f"  T={T} {attn} {label}: prefill {rows[T, attn, label][0]:.2f} s, "
+                      f"decode {rows[T, attn, label][1]:.1f} ms", flush=True)
+    print("\n| variant | T | checkout | prefill s | x full | decode ms | x full | decode / first checkout's |")
+    print("|---|---|---|---|---|---|---|---|")
+    first = trees[0][0]
+    for (T, attn, label), (prefill, ms) in rows.items():
+        full = rows[T, "full", label]
+        print(f"| {attn} | {T} | {label} | {prefill:.2f} | {prefill / full[0]:.2f} | {ms:.1f} | {ms / full[1]:.2f} "
+              f"| {ms / rows[T, attn, first][1]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
