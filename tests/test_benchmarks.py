@@ -232,3 +232,20 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     kept = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
     assert all(kept[key] == rows[key] for key in rows)  # measured once
     assert "skipped" in kept[256, "nsa"] and "extrapolated as T^2" in again.stdout
+
+
+def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
+    """benchmarks/decode_ab.py with two labels for this checkout: a row per T, variant and
+    checkout; full's ratios are 1; a variant's 'x full' is its decode time over the same
+    checkout's full."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_ab.py"), f"a={ROOT}", f"b={ROOT}",
+                        "--lengths=64", "--variants=local", "--steps=2"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
+            for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line and "variant" not in line}
+    assert set(rows) == {(v, "64", c) for v in ("full", "local") for c in "ab"}
+    assert rows["full", "64", "a"][1] == rows["full", "64", "a"][3] == "1.00"
+    for c in "ab":
+        local, full = rows["local", "64", c], rows["full", "64", c]
+        assert float(local[3]) == pytest.approx(float(local[2]) / float(full[2]), rel=0.03, abs=0.01)  # printed rounded
