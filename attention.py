@@ -81,7 +81,7 @@ file: it is for reading.
 Which implementation runs. A variant calls a few operations through `self.ops(q)`: the
 core attentions (`attention`, `pair_gated_attention`, `topk_attention`, `combiner_attention`,
 `block_attention`, `selected_attention`, each defined directly above the first variant that
-uses it) and the stages that need a fast form (nsa's `compressed_attention` and
+uses it) and the stages that need a fast form (nsa's `compressed_branch` and
 `block_scores`, the indexer's `indexer_topk` and `indexer_kl`, asga's recorded
 `mean_pair_gate`, the selections' `top_n`). `ops` at the end of this file is the one place
 that picks this file's definitions (kernel='ref') or kernels.py's fast forms of the same
@@ -1079,10 +1079,19 @@ def compressed_probs(q, k_cmp, scale, q_start, length, stride):
     return softmax_or_zero(logits, visible)
 
 
-def compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """(B, H, T, D): [NSA]'s compressed branch, sum_i p^cmp_ti V^cmp_i (eqs. 7-8)."""
-    p = compressed_probs(q, k_cmp, scale, q_start, length, stride)
-    return p.to(v_cmp.dtype) @ expand_kv(v_cmp, q.shape[1])
+def compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
+    """[NSA]'s compressed branch and the selection it drives, from one p^cmp (eq. 8): the
+    output (B, H, T, D) = sum_i p^cmp_ti V^cmp_i (eqs. 7-8), and the blocks (B, H, T, n) that
+    choose(p^slc, q_start) picks from the block scores p^slc (B, H, T, J) = eq. 9 of the same
+    p^cmp, J the blocks up to the last query's own (None without `choose`). A fast form may
+    call `choose` a chunk of queries at a time, each with the blocks up to its last query."""
+    B, H, T, _ = q.shape
+    p = compressed_probs(q, k_cmp, scale, q_start, length, stride)  # (B, H, T, C)
+    out = p.to(v_cmp.dtype) @ expand_kv(v_cmp, H)
+    if choose is None:
+        return out, None
+    J = ceil_div(q_start + T, block)
+    return out, choose(p.detach() @ block_overlap(p.shape[-1], J, length, stride, block, p.device), q_start)
 
 
 def block_overlap(C, J, length, stride, block, device):
@@ -1187,10 +1196,17 @@ class NativeSparseAttention(CausalSelfAttention):
 
     def select(self, q, k_cmp, q_start):
         """(B, H, T, n): the blocks each query reads (eqs. 8-12), from the compressed keys."""
-        cfg, op = self.cfg, self.ops(q)
+        cfg = self.cfg
         J = ceil_div(q_start + q.shape[2], cfg.nsa_block)  # blocks up to the last query's own
-        scores = op.block_scores(q, k_cmp, self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block, J)
-        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head, op.top_n)  # eqs. 8-12
+        scores = self.ops(q).block_scores(q, k_cmp, self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
+                                          cfg.nsa_block, J)
+        return self.choose(scores, q_start)
+
+    def choose(self, scores, q_start):
+        """(B, H, T, n): eqs. 10-12, the blocks of the queries from q_start, from their block
+        scores (B, H, T, J)."""
+        cfg = self.cfg
+        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head, self.ops(scores).top_n)
 
     def branch_gates(self, x):
         """(3, B, H, T, 1): g_t^c = sigmoid(W_g x_t + b_g), branch-major: the 3 H outputs of W_g
@@ -1201,12 +1217,13 @@ class NativeSparseAttention(CausalSelfAttention):
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
         cfg, op = self.cfg, self.ops(q)
         k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary  # eq. 7
-        out = {}
-        if "cmp" in self.branches:  # eq. 8
-            out["cmp"] = op.compressed_attention(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
-                                                 cfg.nsa_cmp_stride)
+        out, blocks = {}, None
+        if "cmp" in self.branches:  # eqs. 8-12: one p^cmp weighs V^cmp and scores the blocks
+            out["cmp"], blocks = op.compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
+                                                      cfg.nsa_cmp_stride, cfg.nsa_block,
+                                                      self.choose if "slc" in self.branches else None)
         if "slc" in self.branches:  # eqs. 9-12
-            blocks = self.select(q, k_cmp, q_start)
+            blocks = self.select(q, k_cmp, q_start) if blocks is None else blocks
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
         if "win" in self.branches:
             out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
@@ -1722,7 +1739,7 @@ class LossSlot:
 REFERENCE = kernels.Ops(
     name="reference (attention.py, dense)", attention=attention, pair_gated_attention=pair_gated_attention,
     topk_attention=topk_attention, combiner_attention=combiner_attention, block_attention=block_attention,
-    selected_attention=selected_attention, compressed_attention=compressed_attention, block_scores=block_scores,
+    selected_attention=selected_attention, compressed_branch=compressed_branch, block_scores=block_scores,
     indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate, top_n=top_n)
 
 

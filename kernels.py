@@ -6,7 +6,7 @@
   combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
   selected_attention(q, k, v, scale, q_start, k_start, keys)
-  compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)           (nsa)
+  compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose) (nsa)
   block_scores(q, k_cmp, scale, q_start, length, stride, block, J)                (nsa)
   indexer_topk(q_idx, k_idx, w, q_start, k_start, n)                              (indexer)
   indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)                (indexer)
@@ -71,9 +71,10 @@ here and the loops write into float32 buffers):
   one matmul per group against its block's keys, one softmax per query over its n blocks.
   Time O(T n block D) in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
-  keys it can see; the backward recomputes the probabilities (FLEX: one FlexAttention
-  call). Its block scores (`chunked_block_scores`, both sets) recompute the same
-  probabilities a chunk at a time without gradient and keep only (T, J).
+  keys it can see; the chunk's probabilities give its output and its block scores, from
+  which it chooses its blocks at once (no (T, J) scores kept); the backward recomputes the
+  probabilities. (FLEX: one FlexAttention call for the output, and the block scores
+  recomputed a chunk at a time without gradient by `chunked_block_scores`.)
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
@@ -153,7 +154,7 @@ NEG_INF = float("-inf")
 # The operations a variant calls through attention.ops: the core attentions, and the stages of
 # a variant that need a fast form (attention.py defines each; its docstring says what it computes).
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
-                       "selected_attention compressed_attention block_scores indexer_topk indexer_kl mean_pair_gate "
+                       "selected_attention compressed_branch block_scores indexer_topk indexer_kl mean_pair_gate "
                        "top_n")
 
 
@@ -944,7 +945,7 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
 # ---------------------------------------------------------------------------- BLOCKWISE: nsa's compressed keys
 
 def _compressed_probs(q, k, scale, q_start, length, stride, group):
-    """(N, G T, C) float32 probabilities of attention.compressed_attention for q (N, G T, D),
+    """(N, G T, C) float32 probabilities of attention.compressed_probs for q (N, G T, D),
     the G = group query heads of a key head stacked along the rows, k (N, C, D): one matmul,
     the invisible keys set to -inf in place, one softmax, the rows that see no key set to 0
     (the first length - 1 positions: all -inf gives NaN)."""
@@ -961,30 +962,34 @@ def _compressed_probs(q, k, scale, q_start, length, stride, group):
 
 
 class CompressedAttention(torch.autograd.Function):
-    """attention.compressed_attention for q (N, T, D), k, v (N, C, D) in float32: returns the
-    output (N, T, D). Keeps q, k, v and the output; the backward recomputes the
-    probabilities once ([Flash]'s recomputation) and uses rowsum(dO * O) for the softmax's
-    backward. Why not attention.py's function under a checkpoint (what ran before): the
-    checkpoint recomputed the output too, and the reference's out-of-place masks and
-    zero-row handling made five passes over each (T, C) chunk per direction; here the
-    masking is one in-place pass."""
+    """attention.compressed_branch's output for q (N, T, D), k, v (N, C, D) in float32: returns
+    the output (N, T, D) and, when J > 0, the block scores (N, T, J) of the same probabilities
+    (`sliding_block_scores`, no gradient: they only choose blocks). Keeps q, k, v and the
+    output; the backward recomputes the probabilities once ([Flash]'s recomputation) and uses
+    rowsum(dO * O) for the softmax's backward. Why not attention.py's function under a
+    checkpoint (what ran before): the checkpoint recomputed the output too, and the
+    reference's out-of-place masks and zero-row handling made five passes over each (T, C)
+    chunk per direction; here the masking is one in-place pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, q_start, length, stride, group):
-        out = torch.bmm(_compressed_probs(q, k, scale, q_start, length, stride, group), v)
+    def forward(ctx, q, k, v, scale, q_start, length, stride, group, block, J):
+        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
+        out = torch.bmm(p, v)
+        scores = sliding_block_scores(p, J, length, stride, block) if J else out.new_zeros(0)
+        ctx.mark_non_differentiable(scores)
         ctx.save_for_backward(q, k, v, out)
         ctx.geometry = scale, q_start, length, stride, group
-        return out
+        return out, scores
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, _):
         q, k, v, out = ctx.saved_tensors
         scale = ctx.geometry[0]
         p = _compressed_probs(q, k, *ctx.geometry)
         dv = torch.bmm(p.transpose(1, 2), d_out)
         dp = torch.bmm(d_out, v.transpose(1, 2))  # (N, T, C)
         dlogits = dp.sub_((d_out * out).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward, scaled
-        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, None, None, None, None, None
+        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, *[None] * 7
 
 
 def _grouped(q, k_cmp):
@@ -997,15 +1002,17 @@ def _grouped(q, k_cmp):
     return q.reshape(B * Hkv, H // Hkv * T, D), k_cmp.flatten(0, 1), H // Hkv
 
 
-def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """One chunk of queries of attention.compressed_attention through `CompressedAttention`
-    (float32; scale a float): no checkpoint needed, the function keeps O(T D)."""
+def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride, block, J):
+    """One chunk of queries of attention.compressed_branch through `CompressedAttention`
+    (float32; scale a float): the output (B, H, T, D) and the block scores (B, H, T, J) (J = 0:
+    none). No checkpoint needed, the function keeps O(T D)."""
     with torch.autocast(q.device.type, enabled=False):
         B, H, T, D = q.shape
         q, k, v = _float32(q, k_cmp, v_cmp)
         q_rows, k_rows, group = _grouped(q, k)
-        out = CompressedAttention.apply(q_rows, k_rows, v.flatten(0, 1), float(scale), q_start, length, stride, group)
-        return out.view(B, H, T, -1)
+        out, scores = CompressedAttention.apply(q_rows, k_rows, v.flatten(0, 1), float(scale), q_start, length, stride,
+                                                group, block, J)
+        return out.view(B, H, T, -1), scores.view(B, H, T, J) if J else None
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: selected keys
@@ -1088,20 +1095,27 @@ def _seen(C, last, length, stride):
     return min(C, max(0, (last - length + 1) // stride + 1))
 
 
-def blockwise_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention a chunk of queries at a time (`COMPRESSED_SCORES`):
-    C ~ T / stride compressed keys per query would otherwise keep (T, C) per head, memory
-    quadratic in T. A chunk takes only the compressed keys its last query can see, which
-    halves the branch's work over a sequence; `CompressedAttention` recomputes each chunk's
-    probabilities in the backward. (FLEX: `flex_compressed_attention`, one FlexAttention call.)"""
+def blockwise_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
+    """attention.compressed_branch a chunk of queries at a time (`COMPRESSED_SCORES`): C ~ T /
+    stride compressed keys per query would otherwise keep (T, C) per head, memory quadratic in
+    T. A chunk takes only the compressed keys its last query can see (half the work over a
+    sequence); its probabilities p^cmp, computed once, give both its output and its block
+    scores (eq. 9, over the blocks up to its last query), from which `choose` picks its
+    blocks at once: no (T, J) scores are kept, and eq. 8 runs once where the output and the
+    selection each ran it. `CompressedAttention` recomputes the probabilities in the backward.
+    (FLEX: `flex_compressed_branch`.)"""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
-    outs = []
+    outs, blocks = [], []
     for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device):
         seen = _seen(C, q_start + t1 - 1, length, stride)
-        outs.append(_blockwise_compressed_chunk(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale,
-                                                q_start + t0, length, stride))
-    return torch.cat(outs, 2)
+        J = ceil_div(q_start + t1, block) if choose is not None else 0
+        out, scores = _blockwise_compressed_chunk(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale,
+                                                  q_start + t0, length, stride, block, J)
+        outs.append(out)
+        if choose is not None:
+            blocks.append(choose(scores, q_start + t0))
+    return torch.cat(outs, 2), torch.cat(blocks, 2) if blocks else None
 
 
 @torch.no_grad()
@@ -1268,7 +1282,7 @@ BLOCKWISE = Ops(
     name="blockwise (kernels.py, CPU loops, float32)", attention=blockwise_attention,
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
-    selected_attention=blockwise_selected_attention, compressed_attention=blockwise_compressed_attention,
+    selected_attention=blockwise_selected_attention, compressed_branch=blockwise_compressed_branch,
     block_scores=chunked_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n)
 
@@ -1535,7 +1549,7 @@ def flex_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block)
 
 
 def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention ([NSA] eqs. 7-8): one FlexAttention call over the C ~
+    """attention.compressed_branch's output ([NSA] eqs. 7-8): one FlexAttention call over the C ~
     T / stride compressed keys, compressed key i visible to the query at position p once
     i stride + length - 1 <= p; a row that sees none gets 0, as in the reference. Its
     BlockMask (built once per shape, cached) lists, per 128-query tile, the 128-key tiles
@@ -1553,6 +1567,17 @@ def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
 
     mask = cached_block_mask(("compressed", T, C, q_start, length, stride), complete, T, C, q.device)
     return _run_flex(q, k_cmp, v_cmp, None, mask, scale)
+
+
+def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
+    """attention.compressed_branch: the output through `flex_compressed_attention`, the block
+    scores through `chunked_block_scores` (which recompute p^cmp a chunk at a time: FlexAttention
+    returns an output, not the probabilities), then `choose` over all queries at once."""
+    out = flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)
+    if choose is None:
+        return out, None
+    J = ceil_div(q_start + q.shape[2], block)
+    return out, choose(chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J), q_start)
 
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger
@@ -1794,7 +1819,7 @@ FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
-    compressed_attention=flex_compressed_attention, block_scores=chunked_block_scores,
+    compressed_branch=flex_compressed_branch, block_scores=chunked_block_scores,
     indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)
 
 
@@ -1970,10 +1995,17 @@ def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):
     return _softmax_or_zero(_decode_logits(q, k_cmp, scale), seen)
 
 
-def decode_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
-    """attention.compressed_attention over the compressed keys the cache keeps."""
+def decode_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
+    """attention.compressed_branch over the compressed keys the cache keeps: their
+    probabilities computed once (the compressed keys read once), the output and the block
+    scores (eq. 9 as sliding sums) both from them."""
     q, k_cmp, v_cmp = _same_dtype(q, k_cmp, v_cmp)
-    return _decode_output(_decode_compressed_probs(q, k_cmp, scale, q_start, length, stride), v_cmp)
+    p = _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride)
+    out = _decode_output(p, v_cmp)
+    if choose is None:
+        return out, None
+    J = ceil_div(q_start + q.shape[2], block)
+    return out, choose(sliding_block_scores(p.detach(), J, length, stride, block), q_start)
 
 
 @torch.no_grad()
@@ -1995,6 +2027,6 @@ DECODE = Ops(
     name="decode (kernels.py: the cache's keys and summaries the selection names)", attention=decode_attention,
     pair_gated_attention=decode_pair_gated_attention, topk_attention=decode_topk_attention,
     combiner_attention=decode_combiner_attention, block_attention=decode_block_attention,
-    selected_attention=decode_selected_attention, compressed_attention=decode_compressed_attention,
+    selected_attention=decode_selected_attention, compressed_branch=decode_compressed_branch,
     block_scores=decode_block_scores, indexer_topk=decode_indexer_topk, indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)

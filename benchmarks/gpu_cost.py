@@ -86,9 +86,9 @@ T2_PARTS = {
     "indexer top-k": ("FLEX.indexer_topk", "INDEX_SCORES", lambda B, H, T, m: B * m.cfg.index_heads * T * T),
     "indexer loss": ("FLEX.indexer_kl", "INDEX_SCORES",
                      lambda B, H, T, m: B * max(H, m.cfg.index_heads) * T * T),
-    "nsa compressed": ("FLEX.compressed_attention", "COMPRESSED_SCORES",
+    "nsa compressed": ("flex_compressed_attention", "COMPRESSED_SCORES",
                        lambda B, H, T, m: B * H * T * max(0, (T - m.cfg.nsa_cmp_block) // m.cfg.nsa_cmp_stride + 1)),
-    "nsa block scores": ("FLEX.block_scores", "COMPRESSED_SCORES",
+    "nsa block scores": ("chunked_block_scores", "COMPRESSED_SCORES",
                          lambda B, H, T, m: B * H * T * max(0, (T - m.cfg.nsa_cmp_block) // m.cfg.nsa_cmp_stride + 1)),
 }
 KERNELS = "kernels"  # the label of the intercepted FlexAttention and SDPA calls (not counted)

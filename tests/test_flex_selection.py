@@ -203,22 +203,28 @@ def test_combiner_work_follows_the_keys_read():
 
 # ---------------------------------------------------------------------------- nsa's compressed branch
 
-def test_compressed_attention_decode_sized_and_empty():
+def test_compressed_branch_decode_sized_and_empty():
     """The compressed branch for a few queries (DECODE: no FlexAttention call) and with no
-    compressed key yet (C = 0, FLEX and DECODE): equal to the reference, outputs and gradients."""
+    compressed key yet (C = 0, FLEX and DECODE): equal to the reference, outputs, gradients
+    and the blocks chosen from its block scores."""
     g = torch.Generator().manual_seed(4)
+
+    def choose(scores, t0):
+        return attention.nsa_top_blocks(scores, t0, 4, 2, 2)
+
     for T, q_start, C in [(3, 40, 19), (16, 0, 3), (5, 0, 0)]:
         q = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64).requires_grad_()
         k, v = (torch.randn(1, 2, C, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
-        ref = attention.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
+        ref, ref_blocks = attention.compressed_branch(q, k, v, 0.3, q_start, 4, 2, 4, choose)
         saved, kernels._run_flex = kernels._run_flex, None  # any FlexAttention call fails
         try:
-            out = kernels.DECODE.compressed_attention(q, k, v, 0.3, q_start, 4, 2)
+            out, blocks = kernels.DECODE.compressed_branch(q, k, v, 0.3, q_start, 4, 2, 4, choose)
             if C == 0:
-                assert torch.equal(kernels.FLEX.compressed_attention(q, k, v, 0.3, q_start, 4, 2), out)
+                assert torch.equal(kernels.FLEX.compressed_branch(q, k, v, 0.3, q_start, 4, 2, 4, None)[0], out)
         finally:
             kernels._run_flex = saved
         assert out.shape == ref.shape and rel(out, ref) < 1e-6
+        assert torch.equal(blocks, ref_blocks)
         if C:
             for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
                 assert rel(a, b) < 1e-6
@@ -231,7 +237,7 @@ def test_compressed_attention_work_is_the_keys_read():
     B, H, T = 1, 2, 4096
     C = (T - 16) // 8 + 1
     q, k = torch.zeros(B, H, T, 16), torch.zeros(B, H, C, 16)
-    work = work_of(kernels.FLEX.compressed_attention, q, k, k, 0.25, 0, 16, 8)
+    work = work_of(kernels.flex_compressed_attention, q, k, k, 0.25, 0, 16, 8)
     t = torch.arange(T)
     read = B * H * ((t - 15) // 8 + 1).clamp(min=0).sum().item()
     assert work <= read + B * H * T * 128

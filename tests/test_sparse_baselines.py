@@ -182,13 +182,15 @@ def test_nsa_compressed_branch_in_chunks_equals_the_loop(monkeypatch):
 
 @pytest.mark.parametrize("ops", ["BLOCKWISE", "FLEX"])
 @pytest.mark.parametrize("q_start", [0, 9])
-def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q_start):
+def test_compressed_branch_in_chunks_equals_the_reference(monkeypatch, ops, q_start):
     """The ops alone (BLOCKWISE's `CompressedAttention` a few queries at a time; FLEX's one
     FlexAttention call, its gradients through `dense_flex`, its output through eager
-    FlexAttention too), after earlier queries too: the compressed branch's output and
-    the gradients of q and the compressed keys and values, and the block scores computed
-    from the same probabilities chunk by chunk, equal to attention.compressed_attention's
-    and attention.block_scores' over all queries at once."""
+    FlexAttention too), after earlier queries too: the compressed branch's output and the
+    gradients of q and the compressed keys and values equal attention.compressed_branch's
+    over all queries at once; so do the blocks chosen, and the block scores handed to
+    `choose` chunk by chunk (BLOCKWISE: 5 queries a chunk, each with the blocks up to its
+    last query), which carry no gradient. block_scores alone (nsa without its cmp branch)
+    equals attention.block_scores."""
     monkeypatch.setattr(kernels, "COMPRESSED_SCORES", 2 * 4 * 12 * 5)  # 5 queries a chunk
     g = torch.Generator().manual_seed(6)
     T, C, length, stride, block = 23, 12, 4, 2, 8
@@ -196,21 +198,33 @@ def test_compressed_attention_in_chunks_equals_the_reference(monkeypatch, ops, q
     q = torch.randn(2, 4, T, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 2, C, 8, generator=g, requires_grad=True) for _ in range(2))
     cot = torch.randn(2, 4, T, 8, generator=g)
+    handed = []
 
-    ref = attention.compressed_attention(q, k, v, 0.3, q_start, length, stride)
+    def choose(scores, t0):  # eqs. 10-12 as nsa applies them; the scores kept to compare
+        handed.append((t0, scores))
+        return attention.nsa_top_blocks(scores, t0, block, 3, 2)
+
+    ref, ref_blocks = attention.compressed_branch(q, k, v, 0.3, q_start, length, stride, block, choose)
+    ref_scores = handed.pop()[1]
+    assert ref_scores.shape == (2, 4, T, J)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
     fast = getattr(kernels, ops)
     if ops == "FLEX":  # eager FlexAttention (no CPU backward for q, k, v), then the dense stand-in
-        eager = fast.compressed_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, length, stride)
+        eager, _ = fast.compressed_branch(q.detach(), k.detach(), v.detach(), 0.3, q_start, length, stride, block, None)
         assert rel(eager, ref) < 1e-5
         monkeypatch.setattr(kernels, "_run_flex", dense_flex)
-    out = fast.compressed_attention(q, k, v, 0.3, q_start, length, stride)
+    out, blocks = fast.compressed_branch(q, k, v, 0.3, q_start, length, stride, block, choose)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-5
+    assert torch.equal(blocks, ref_blocks)
+    assert [t0 for t0, _ in handed] == ([q_start + t for t in range(0, T, 5)] if ops == "BLOCKWISE" else [q_start])
+    for t0, scores in handed:
+        rows = slice(t0 - q_start, t0 - q_start + scores.shape[2])
+        assert scores.shape[3] == -(-(t0 + scores.shape[2]) // block) and not scores.requires_grad
+        assert rel(scores, ref_scores[:, :, rows, :scores.shape[3]]) < 1e-5
     scores = fast.block_scores(q, k, 0.3, q_start, length, stride, block, J)
-    ref_scores = attention.block_scores(q, k, 0.3, q_start, length, stride, block, J)
-    assert scores.shape == ref_scores.shape == (2, 4, T, J) and not scores.requires_grad
+    assert scores.shape == ref_scores.shape and not scores.requires_grad
     assert rel(scores, ref_scores) < 1e-5
 
 
