@@ -81,9 +81,8 @@ file: it is for reading.
 Which implementation runs. A variant calls a few operations through `self.ops(q)`: the
 core attentions (`attention`, `pair_gated_attention`, `topk_attention`, `combiner_attention`,
 `block_attention`, `selected_attention`, each defined directly above the first variant that
-uses it) and the stages that need a fast form (nsa's `compressed_branch` and
-`block_scores`, the indexer's `indexer_topk` and `indexer_kl`, asga's recorded
-`mean_pair_gate`, the selections' `top_n`). `ops` at the end of this file is the one place
+uses it) and the stages that need a fast form (nsa's `compressed_branch`, the indexer's
+`indexer_topk` and `indexer_kl`, asga's recorded `mean_pair_gate`, the selections' `top_n`). `ops` at the end of this file is the one place
 that picks this file's definitions (kernel='ref') or kernels.py's fast forms of the same
 functions (chunked, checkpointed, fused, or read from a KV cache; tested against these).
 Imports run one way: kernels.py imports nothing from here.
@@ -1104,15 +1103,6 @@ def block_overlap(C, J, length, stride, block, device):
     return shared.float() / stride
 
 
-@torch.no_grad()
-def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
-    """(B, H, T, J) float32: p^slc_j = sum_i p^cmp_i |key i ∩ block j| / stride of blocks
-    0 .. J-1 ([NSA] eq. 9), from the compressed branch's own probabilities p^cmp (eq. 8: no
-    separate scorer). No gradient: they only choose blocks, a discrete choice."""
-    p_cmp = compressed_probs(q, k_cmp, scale, q_start, length, stride)  # (B, H, T, C)
-    return p_cmp @ block_overlap(p_cmp.shape[-1], J, length, stride, block, p_cmp.device)
-
-
 def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     """(B, H, T, n): the blocks each query reads ([NSA] eqs. 10-12), from its block scores
     (B, H, T, J). Eq. 10: the query heads of a key head sum their scores and choose together.
@@ -1149,7 +1139,8 @@ class NativeSparseAttention(CausalSelfAttention):
     - The paper gives each branch independent keys and values; every reference code ([fla],
       [fla-nsa], [xl], [lr]) shares one projection, and so does this one.
     - nsa_branches switches branches off ([NSA] ablates them): e.g. 'slc,win'. The scores
-      still come from the compressed keys when the cmp branch is off.
+      still come from the compressed keys when the cmp branch is off (its output is then
+      computed and left out of the sum).
     Sizes (`l`, `d`, `l'`, n, W) = nsa_cmp_block, nsa_cmp_stride, nsa_block, nsa_topk,
     nsa_window; paper: 32, 16, 64, 16, 512 at 8k tokens; defaults here for T = 1024: 16, 8,
     32, 8, 128 (~512 keys per query at t = 1023); the cpu preset at T = 256: 8, 4, 16, 5, 32.
@@ -1194,14 +1185,6 @@ class NativeSparseAttention(CausalSelfAttention):
         """K^cmp, V^cmp (B, Hkv, C, D): eq. 7 over the keys and values (start: a multiple of d)."""
         return self.compress(k, "k"), self.compress(v, "v")
 
-    def select(self, q, k_cmp, q_start):
-        """(B, H, T, n): the blocks each query reads (eqs. 8-12), from the compressed keys."""
-        cfg = self.cfg
-        J = ceil_div(q_start + q.shape[2], cfg.nsa_block)  # blocks up to the last query's own
-        scores = self.ops(q).block_scores(q, k_cmp, self.scale, q_start, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
-                                          cfg.nsa_block, J)
-        return self.choose(scores, q_start)
-
     def choose(self, scores, q_start):
         """(B, H, T, n): eqs. 10-12, the blocks of the queries from q_start, from their block
         scores (B, H, T, J)."""
@@ -1217,13 +1200,10 @@ class NativeSparseAttention(CausalSelfAttention):
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
         cfg, op = self.cfg, self.ops(q)
         k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary  # eq. 7
-        out, blocks = {}, None
-        if "cmp" in self.branches:  # eqs. 8-12: one p^cmp weighs V^cmp and scores the blocks
-            out["cmp"], blocks = op.compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
-                                                      cfg.nsa_cmp_stride, cfg.nsa_block,
-                                                      self.choose if "slc" in self.branches else None)
-        if "slc" in self.branches:  # eqs. 9-12
-            blocks = self.select(q, k_cmp, q_start) if blocks is None else blocks
+        out = {}  # eqs. 8-12: one p^cmp weighs V^cmp (the cmp branch) and scores the blocks
+        out["cmp"], blocks = op.compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
+                                                  cfg.nsa_cmp_stride, cfg.nsa_block, self.choose)
+        if "slc" in self.branches:
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
         if "win" in self.branches:
             out["win"] = op.attention(q, k, v, self.scale, q_start, k_start, window=cfg.nsa_window)
@@ -1238,8 +1218,10 @@ class NativeSparseAttention(CausalSelfAttention):
         return self.cfg.nsa_cmp_block, self.cfg.nsa_cmp_stride  # one compressed key and value per window
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
-        k_cmp = (self.summarise(q, k, v, x, k_start) if summary is None else summary)[0]
-        blocks = self.select(q, k_cmp, q_start)
+        cfg = self.cfg
+        k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary
+        blocks = self.ops(q).compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
+                                               cfg.nsa_cmp_stride, cfg.nsa_block, self.choose)[1]
         g = self.branch_gates(x)
         for i, name in enumerate(self.BRANCHES):
             self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)
@@ -1739,7 +1721,7 @@ class LossSlot:
 REFERENCE = kernels.Ops(
     name="reference (attention.py, dense)", attention=attention, pair_gated_attention=pair_gated_attention,
     topk_attention=topk_attention, combiner_attention=combiner_attention, block_attention=block_attention,
-    selected_attention=selected_attention, compressed_branch=compressed_branch, block_scores=block_scores,
+    selected_attention=selected_attention, compressed_branch=compressed_branch,
     indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate, top_n=top_n)
 
 

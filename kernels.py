@@ -7,7 +7,6 @@
   block_attention(q, k, v, scale, q_start, k_start, block, blocks)
   selected_attention(q, k, v, scale, q_start, k_start, keys)
   compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose) (nsa)
-  block_scores(q, k_cmp, scale, q_start, length, stride, block, J)                (nsa)
   indexer_topk(q_idx, k_idx, w, q_start, k_start, n)                              (indexer)
   indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys)                (indexer)
   mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start)           (asga, recorded statistic)
@@ -16,8 +15,8 @@
 (attention.py documents what each computes; its variants call them through attention.ops,
 the one place that picks a set.) Three sets: FLEX (the GPU path), BLOCKWISE (the CPU's) and
 DECODE (a call of at most DECODE_ROWS query rows, on any device: a decoding step). Some
-stages are shared: nsa's block scores a chunk of queries at a time with eq. 9 as sliding
-sums, the indexer's top-k and dense-warm-up loss chunked, asga's recorded gate statistic
+stages are shared: nsa's eq. 9 as sliding sums (FLEX's block scores a chunk of queries at a
+time), the indexer's top-k and dense-warm-up loss chunked, asga's recorded gate statistic
 chunked, so memory stays linear in T (see "both sets" below); the sparse stage of the
 indexer's loss differs (FLEX reads the listed keys by index).
 
@@ -154,7 +153,7 @@ NEG_INF = float("-inf")
 # The operations a variant calls through attention.ops: the core attentions, and the stages of
 # a variant that need a fast form (attention.py defines each; its docstring says what it computes).
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
-                       "selected_attention compressed_branch block_scores indexer_topk indexer_kl mean_pair_gate "
+                       "selected_attention compressed_branch indexer_topk indexer_kl mean_pair_gate "
                        "top_n")
 
 
@@ -1120,8 +1119,8 @@ def blockwise_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride,
 
 @torch.no_grad()
 def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
-    """attention.block_scores ([NSA] eqs. 8-9) a chunk of queries at a time
-    (`COMPRESSED_SCORES`): the probabilities p^cmp (T x T / stride per head, quadratic by
+    """The block scores of attention.compressed_branch ([NSA] eqs. 8-9) a chunk of queries at
+    a time (`COMPRESSED_SCORES`), for FLEX: the probabilities p^cmp (T x T / stride per head, quadratic by
     definition) exist one chunk at a time, turned at once into the chunk's (chunk, J) block
     scores by `sliding_block_scores`. The query heads of a key head share one matmul
     (`_grouped`)."""
@@ -1139,23 +1138,26 @@ def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
 
 
 def sliding_block_scores(p_cmp, J, length, stride, block):
-    """attention.block_scores, p_cmp (.., C) @ block_overlap(C, J, ...), without the (C, J)
-    matrix, in O(C) per query instead of O(C J): at T = 8192 the matmul was 4x the FLOPs of
+    """Eq. 9 of attention.compressed_branch, p_cmp (.., C) @ block_overlap(C, J, ...), without
+    the (C, J) matrix, in O(C) per query instead of O(C J): at T = 8192 the matmul was 4x the FLOPs of
     the compressed branch's own q k^T (J = T / block columns). Compressed key i covers the
     stride-segments i .. i + covers - 1 (covers = length / stride), each holding stride
     positions worth p_i / stride each, so block j (segments j pb .. j pb + pb - 1, pb = block
     / stride) gets sum_i p_i #(the segments both hold): a weighted sum over the keys j pb -
     covers + 1 .. j pb + pb - 1, with weights ones(covers) convolved with ones(pb) (a
-    trapezoid): one matmul over overlapping windows of the keys (a strided view).
+    trapezoid), summed as `width` strided slices of the keys (one multiply-add each over
+    (.., J): a matmul over the overlapping windows copied them per row, 2.6x slower).
     Needs stride | length and stride | block (nsa's check_config)."""
     covers, per_block = length // stride, block // stride
     width = per_block + covers - 1
-    ones = torch.ones(1, 1, per_block, dtype=p_cmp.dtype, device=p_cmp.device)
-    trapezoid = F.conv1d(F.pad(ones, (covers - 1, covers - 1)), ones[..., :1].expand(1, 1, covers)).view(width)
     C = p_cmp.shape[-1]
     right = max(0, (J - 1) * per_block + width - (covers - 1) - C)  # zeros past the last key, up to block J - 1
-    windows = F.pad(p_cmp, (covers - 1, right)).unfold(-1, width, per_block)[..., :J, :]  # (.., J, width)
-    return windows @ trapezoid
+    keys = F.pad(p_cmp, (covers - 1, right))  # block j's window: keys[j pb .. j pb + width - 1]
+    stop = (J - 1) * per_block + 1
+    out = keys[..., :stop:per_block] * min(1, covers, per_block, width)
+    for w in range(1, width):
+        out += keys[..., w:w + stop:per_block] * min(w + 1, covers, per_block, width - w)  # the trapezoid's weight w
+    return out
 
 
 def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
@@ -1283,7 +1285,7 @@ BLOCKWISE = Ops(
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
     selected_attention=blockwise_selected_attention, compressed_branch=blockwise_compressed_branch,
-    block_scores=chunked_block_scores, indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
+    indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n)
 
 
@@ -1819,7 +1821,7 @@ FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
-    compressed_branch=flex_compressed_branch, block_scores=chunked_block_scores,
+    compressed_branch=flex_compressed_branch,
     indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)
 
 
@@ -1860,18 +1862,27 @@ def _decode_output(p, v):
     return out.view(B, H, T, v.shape[-1])
 
 
-def _cached_rows(x, b, h, pos):
-    """x[b, h, pos] (.., D) for index tensors b, h, pos that broadcast, x (B, Hkv, S, D) a
-    KV cache's view (rows of D contiguous elements): one index_select over the rows of x's
-    storage, where advanced indexing computed each element's offset (3 ms for nsa's 8 x 32
-    keys a head at batch 8, 12 heads)."""
+def _cached_runs(x, b, h, first, length=1):
+    """x[b, h, first + i] for i < length, (.., length, D), and the positions read (.., length),
+    for index tensors b, h, first that broadcast; x (B, Hkv, S, D) a KV cache's view (rows of D
+    contiguous elements). One index_select over runs of `length` rows of x's storage (an
+    overlapping strided view), where advanced indexing computed each element's offset (3 ms
+    for nsa's 8 x 32 keys a head at batch 8, 12 heads) and a row at a time was 3x slower. A
+    run starts at 0 at the earliest and ends at the end of the storage at the latest (shifted
+    into it): the positions read say where, for the caller's mask (a position < 0 or >= S is
+    a row of another head or spare capacity)."""
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         x = x.contiguous()
     D = x.shape[-1]
     rows = (x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()) // D
-    flat = x.as_strided((rows, D), (D, 1))  # every row of the storage from x's first on
-    at = (b * (x.stride(0) // D) + h * (x.stride(1) // D) + pos).expand(torch.broadcast_shapes(b.shape, h.shape, pos.shape))
-    return flat.index_select(0, at.reshape(-1)).view(*at.shape, D)
+    if rows < length:  # a cache shorter than one run (a few tokens): padded, the padding masked by the caller
+        x = F.pad(x, (0, 0, 0, length))
+        rows = x.numel() // D
+    runs = x.as_strided((rows - length + 1, length * D), (D, 1))  # run r: rows r .. r + length - 1 from x's first
+    base = (b * (x.stride(0) // D) + h * (x.stride(1) // D)).expand(torch.broadcast_shapes(b.shape, h.shape, first.shape))
+    at = (base + first.clamp(min=0)).clamp(max=rows - length)
+    pos = (at - base)[..., None] + torch.arange(length, device=x.device)
+    return runs.index_select(0, at.reshape(-1)).view(*at.shape, length, D), pos
 
 
 def _positions(T, S, q_start, k_start, device):
@@ -1958,13 +1969,13 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     q, k, v = _same_dtype(q, k, v)
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    idx = blocks[..., None] * block + torch.arange(block, device=q.device) - k_start  # (B, H, T, n, block)
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
+    (kg, pos), (vg, _) = (_cached_runs(x, b, h, blocks * block - k_start, block) for x in (k, v))  # the blocks alone
+    kg, vg = kg.flatten(3, 4), vg.flatten(3, 4)  # (B, H, T, n block, D)
     q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
-    ok = ((blocks >= 0) & ~repeated(blocks))[..., None] & (idx >= 0) & (idx < S) & (idx + k_start <= q_pos)
-    b = torch.arange(B, device=q.device).view(B, 1, 1, 1, 1)
-    h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1, 1)  # each query head's key head
-    at = idx.clamp(0, S - 1)
-    kg, vg = (_cached_rows(x, b, h, at).flatten(3, 4) for x in (k, v))  # (B, H, T, n block, D): the blocks alone
+    ok = ((blocks >= 0) & ~repeated(blocks))[..., None] & ((pos + k_start) // block == blocks[..., None])
+    ok = ok & (pos >= 0) & (pos < S) & (pos + k_start <= q_pos)  # (B, H, T, n, block): a key of the block, cached, seen
     logits = torch.einsum("bhtd,bhtkd->bhtk", q, kg).float() * scale
     p = _softmax_or_zero(logits, ok.flatten(3, 4))
     return torch.einsum("bhtk,bhtkd->bhtd", p.to(vg.dtype), vg)
@@ -1972,7 +1983,7 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
 
 def decode_selected_attention(q, k, v, scale, q_start, k_start, keys):
     """attention.selected_attention: each query's listed keys read from the cache by index
-    (`_cached_rows`), shared by the query heads of a key head, one softmax over them."""
+    (`_cached_runs`), shared by the query heads of a key head, one softmax over them."""
     key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
     B, H, T, D = q.shape
@@ -1980,7 +1991,7 @@ def decode_selected_attention(q, k, v, scale, q_start, k_start, keys):
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
     at = keys.clamp(min=0)[:, None]  # (B, 1, T, n)
-    kg, vg = _cached_rows(k, b, h, at), _cached_rows(v, b, h, at)  # (B, Hkv, T, n, D)
+    kg, vg = (_cached_runs(x, b, h, at)[0][..., 0, :] for x in (k, v))  # (B, Hkv, T, n, D)
     logits = torch.einsum("bkgtd,bktnd->bkgtn", q.reshape(B, Hkv, H // Hkv, T, D), kg).float() * scale
     q_pos = q_start + torch.arange(T, device=q.device)[:, None]
     p = _softmax_or_zero(logits, ((keys >= 0) & (k_start + keys <= q_pos))[:, None, None])  # (B, Hkv, G, T, n)
@@ -2009,14 +2020,6 @@ def decode_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bl
 
 
 @torch.no_grad()
-def decode_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
-    """attention.block_scores: the compressed probabilities, then eq. 9 as sliding sums."""
-    q, k_cmp = _same_dtype(q, k_cmp)
-    return sliding_block_scores(_decode_compressed_probs(q, k_cmp, scale, q_start, length, stride), J, length,
-                                stride, block)
-
-
-@torch.no_grad()
 def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     """attention.indexer_topk: the lightning scores of every cached indexer key (eq. 1 reads
     them all), then a top-n selection (`_top_n`)."""
@@ -2028,5 +2031,5 @@ DECODE = Ops(
     pair_gated_attention=decode_pair_gated_attention, topk_attention=decode_topk_attention,
     combiner_attention=decode_combiner_attention, block_attention=decode_block_attention,
     selected_attention=decode_selected_attention, compressed_branch=decode_compressed_branch,
-    block_scores=decode_block_scores, indexer_topk=decode_indexer_topk, indexer_kl=chunked_indexer_kl,
+    indexer_topk=decode_indexer_topk, indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)

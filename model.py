@@ -117,11 +117,13 @@ class Rows:
         return self.hi - self.lo
 
     def append(self, x):
-        """Write x (..., n, X), the positions end .. end + n - 1, in place."""
+        """Write x (..., n, X), the positions end .. end + n - 1, in place. Spare capacity is
+        zeros, never uninitialised memory: a gather of whole blocks (kernels._cached_runs) may
+        read past the last row, and masks what it read there, which a NaN would survive."""
         n = x.shape[-2]
         if self.data is None or self.hi + n > self.data.shape[-2]:
             held = self.view()
-            data = x.new_empty(*x.shape[:-2], 2 * (len(self) + n), x.shape[-1])
+            data = x.new_zeros(*x.shape[:-2], 2 * (len(self) + n), x.shape[-1])
             if held is not None:
                 data[..., :len(self), :] = held
             self.data, self.lo, self.hi = data, 0, len(self)
@@ -142,7 +144,7 @@ class Rows:
         """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
         if self.data is not None:
             held = self.view().repeat_interleave(n, dim=0)
-            self.data = torch.cat([held, torch.empty_like(held)], dim=-2)
+            self.data = torch.cat([held, torch.zeros_like(held)], dim=-2)
             self.lo, self.hi = 0, held.shape[-2]
 
     def nbytes(self):

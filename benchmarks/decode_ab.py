@@ -1,9 +1,10 @@
-"""benchmarks/decode.py's prefill and batch-1 decoding for several checkouts (commits), in one
-process, each variant's time and its ratio to that checkout's `full`, so a change to the
-decoding path is measured before and after under the same machine load.
+"""benchmarks/decode.py's prefill and decoding (batch 1, and --batch where the checkout's cache
+can repeat its batch) for several checkouts (commits), in one process, each variant's time and
+its ratio to that checkout's `full`, so a change to the decoding path is measured before and
+after under the same machine load.
 
     git worktree add --detach /tmp/old 42bd2e2
-    python benchmarks/decode_ab.py before=/tmp/old after=. --lengths=2048,8192
+    python benchmarks/decode_ab.py before=/tmp/old after=. --lengths=2048,8192 --batch=8
 
 Each checkout's model.py, attention.py and kernels.py are imported apart (train_step_ab.load);
 its model is built with decode.py's settings (2 layers of qwen-134m widths, vocab 256, float32,
@@ -23,8 +24,9 @@ from decode import clock, decode_steps  # noqa: E402
 from train_step_ab import load  # noqa: E402
 
 
-def run(models, attn, T, steps):
-    """(prefill s, median decode ms) of `attn` at T, batch 1."""
+def run(models, attn, T, steps, batch):
+    """(prefill s, median decode ms at batch 1, at `batch`) of `attn` at T; the last None where
+    batch is 1 or the checkout's cache cannot repeat its batch (before KVCache.repeat_batch)."""
     cfg = models.ModelConfig(**dict(models.PRESETS["qwen-134m"], n_layer=2, vocab_size=256, attn=attn,
                                     kernel="fused"))
     torch.manual_seed(0)
@@ -35,7 +37,12 @@ def run(models, attn, T, steps):
         t0 = clock("cpu")
         model(idx, cache=cache)
         prefill = clock("cpu") - t0
-        return prefill, 1e3 * statistics.median(decode_steps(model, cache, 1, steps, "cpu"))
+        one = 1e3 * statistics.median(decode_steps(model, cache, 1, steps, "cpu"))
+        if batch == 1 or not all(hasattr(layer, "repeat_batch") for layer in cache):
+            return prefill, one, None
+        for layer in cache:
+            layer.repeat_batch(batch)
+        return prefill, one, 1e3 * statistics.median(decode_steps(model, cache, batch, steps, "cpu"))
 
 
 def main(argv=None):
@@ -45,6 +52,7 @@ def main(argv=None):
     p.add_argument("--variants", default="full,local,combiner,nsa,moba,indexer")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="also decode at this batch (the cache repeated)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     trees = [c.split("=", 1) for c in args.checkouts]
@@ -56,16 +64,21 @@ def main(argv=None):
     for T in (int(t) for t in args.lengths.split(",")):
         for attn in variants:
             for label, _ in trees:
-                rows[T, attn, label] = run(models[label], attn, T, args.steps)
+                rows[T, attn, label] = run(models[label], attn, T, args.steps, args.batch)
                 print(f"  T={T} {attn} {label}: prefill {rows[T, attn, label][0]:.2f} s, "
                       f"decode {rows[T, attn, label][1]:.1f} ms", flush=True)
-    print("\n| variant | T | checkout | prefill s | x full | decode ms | x full | decode / first checkout's |")
-    print("|---|---|---|---|---|---|---|---|")
+    wide = f" decode ms, batch {args.batch} | x full | / first checkout's |" if args.batch > 1 else ""
+    print(f"\n| variant | T | checkout | prefill s | x full | decode ms | x full | decode / first checkout's |{wide}")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * bool(wide))
     first = trees[0][0]
-    for (T, attn, label), (prefill, ms) in rows.items():
-        full = rows[T, "full", label]
-        print(f"| {attn} | {T} | {label} | {prefill:.2f} | {prefill / full[0]:.2f} | {ms:.1f} | {ms / full[1]:.2f} "
-              f"| {ms / rows[T, attn, first][1]:.2f} |")
+    for (T, attn, label), (prefill, ms, many) in rows.items():
+        full, before = rows[T, "full", label], rows[T, attn, first]
+        line = (f"| {attn} | {T} | {label} | {prefill:.2f} | {prefill / full[0]:.2f} | {ms:.1f} | {ms / full[1]:.2f} "
+                f"| {ms / before[1]:.2f} |")
+        if wide:
+            line += (" - | - | - |" if many is None else f" {many:.1f} | {many / full[2]:.2f} | "
+                     f"{many / before[2]:.2f} |" if before[2] else f" {many:.1f} | {many / full[2]:.2f} | - |")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -311,8 +311,10 @@ def brute_selection(model, idx, layer):
     if model.cfg.attn == "nsa":
         cfg = model.cfg
         J = -(-T // cfg.nsa_block)
-        scores = attention.block_scores(q, attn.compress(k, "k"), attn.scale, 0, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
-                                        cfg.nsa_block, J)
+        k_cmp = attn.compress(k, "k")
+        p = attention.compressed_probs(q, k_cmp, attn.scale, 0, cfg.nsa_cmp_block, cfg.nsa_cmp_stride)  # eq. 8
+        scores = p @ attention.block_overlap(p.shape[-1], J, cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block,
+                                             p.device)  # eq. 9
         blocks = attention.nsa_top_blocks(scores, 0, cfg.nsa_block, cfg.nsa_topk, cfg.n_kv_head)
     else:
         blocks = attention.moba_select(q, attention.block_means(k, model.cfg.moba_block), 0, model.cfg.moba_block,

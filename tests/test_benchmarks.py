@@ -237,10 +237,10 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
 def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
     """benchmarks/decode_ab.py with two labels for this checkout: a row per T, variant and
     checkout; full's ratios are 1; a variant's 'x full' is its decode time over the same
-    checkout's full."""
+    checkout's full, at batch 1 and at --batch."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_ab.py"), f"a={ROOT}", f"b={ROOT}",
-                        "--lengths=64", "--variants=local", "--steps=2"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=600)
+                        "--lengths=64", "--variants=local", "--steps=2", "--batch=3"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
             for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line and "variant" not in line}
@@ -249,3 +249,5 @@ def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
     for c in "ab":
         local, full = rows["local", "64", c], rows["full", "64", c]
         assert float(local[3]) == pytest.approx(float(local[2]) / float(full[2]), rel=0.03, abs=0.01)  # printed rounded
+        assert float(local[6]) == pytest.approx(float(local[5]) / float(full[5]), rel=0.03, abs=0.01)  # at batch 3
+        assert full[6] == "1.00" and float(local[7]) > 0

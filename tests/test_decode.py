@@ -178,3 +178,19 @@ def test_a_stale_summary_fails_the_decode_check(name, monkeypatch):
 
     monkeypatch.setattr(model_module.KVCache, "summarise", stale)
     assert not decodes_as_recomputed(model, idx, 37)
+
+
+@pytest.mark.parametrize("name", ["nsa", "moba"])
+def test_a_block_gather_past_the_last_row_reads_zeros(name):
+    """A decoding step gathers whole blocks (kernels._cached_runs), whose runs may read rows
+    past the cache's last, into its spare capacity, and masks them; a NaN there would survive
+    the mask (0 * NaN), so model.Rows fills spare capacity with zeros. Run with torch's
+    deterministic mode, which fills uninitialised memory with NaN: decoding still equals
+    recomputation (with the buffers made by new_empty, it does not)."""
+    model = tiny(name)
+    idx = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(3))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert decodes_as_recomputed(model, idx, 37)
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -189,8 +189,7 @@ def test_compressed_branch_in_chunks_equals_the_reference(monkeypatch, ops, q_st
     gradients of q and the compressed keys and values equal attention.compressed_branch's
     over all queries at once; so do the blocks chosen, and the block scores handed to
     `choose` chunk by chunk (BLOCKWISE: 5 queries a chunk, each with the blocks up to its
-    last query), which carry no gradient. block_scores alone (nsa without its cmp branch)
-    equals attention.block_scores."""
+    last query), which carry no gradient."""
     monkeypatch.setattr(kernels, "COMPRESSED_SCORES", 2 * 4 * 12 * 5)  # 5 queries a chunk
     g = torch.Generator().manual_seed(6)
     T, C, length, stride, block = 23, 12, 4, 2, 8
@@ -223,9 +222,6 @@ def test_compressed_branch_in_chunks_equals_the_reference(monkeypatch, ops, q_st
         rows = slice(t0 - q_start, t0 - q_start + scores.shape[2])
         assert scores.shape[3] == -(-(t0 + scores.shape[2]) // block) and not scores.requires_grad
         assert rel(scores, ref_scores[:, :, rows, :scores.shape[3]]) < 1e-5
-    scores = fast.block_scores(q, k, 0.3, q_start, length, stride, block, J)
-    assert scores.shape == ref_scores.shape and not scores.requires_grad
-    assert rel(scores, ref_scores) < 1e-5
 
 
 # ---------------------------------------------------------------------------- reductions, causality
@@ -352,7 +348,7 @@ def test_no_gradient_through_the_selection(attn):
                                                      (32, 16, 64, 40, 11), (8, 8, 8, 9, 9), (8, 4, 16, 0, 2)])
 def test_nsa_block_scores_equal_the_overlap_matrix(length, stride, block, C, J):
     """kernels.sliding_block_scores (the fast paths') equals eq. 9's overlap matrix product
-    p @ block_overlap (attention.block_scores' last step), with fewer compressed keys than the blocks
+    p @ block_overlap (attention.compressed_branch's eq. 9), with fewer compressed keys than the blocks
     cover and more (the chunks cut C causally)."""
     p = torch.rand(2, 3, 5, C, dtype=torch.float64)
     expected = p @ attention.block_overlap(C, J, length, stride, block, "cpu").double()
