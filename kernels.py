@@ -1935,16 +1935,26 @@ def decode_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start,
 def decode_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
     """attention.topk_attention: every visible key scored (the definition ranks them all), the
     k_i-th highest found by a top-k (a selection, not a sort), every key tied with it kept
-    (attention.topk_mask's tie rule)."""
+    (attention.topk_mask's tie rule); then one softmax over the kept keys alone, and only
+    their values read, from the cache by index (`_cached_runs`): not the (rows, S) product
+    with every value that a mask of zeros would multiply. The number kept (k_i, more with
+    ties) is read back once a call, to size the gather."""
     key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
-    T, S = q.shape[2], k.shape[2]
+    B, H, T, _ = q.shape
+    S, Hkv = k.shape[2], k.shape[1]
     logits = _decode_logits(q, k, scale)
     seen = _positions(T, S, q_start, k_start, q.device) >= 0
     visible = logits.masked_fill(~seen, NEG_INF)
     top = visible.topk(min(k_max, S), -1).values  # (B, H, T, k_max), highest first
     kth = top.gather(-1, (k_per_query - 1).clamp(max=top.shape[-1] - 1).view(1, 1, T, 1).expand(*top.shape[:3], 1))
-    return _decode_output(_softmax_or_zero(logits, (visible >= kth) & seen), v)
+    kept = (visible >= kth) & seen  # (B, H, T, S)
+    logits, at = visible.masked_fill_(~kept, NEG_INF).topk(int(kept.sum(-1).max()), -1)  # the kept keys, then -inf
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
+    values = _cached_runs(v, b, h, at)[0][..., 0, :]  # (B, H, T, m, D)
+    p = _softmax_or_zero(logits, logits > NEG_INF)
+    return torch.einsum("bhtm,bhtmd->bhtd", p.to(values.dtype), values)
 
 
 def decode_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):

@@ -194,3 +194,20 @@ def test_a_block_gather_past_the_last_row_reads_zeros(name):
         assert decodes_as_recomputed(model, idx, 37)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_decoded_top_k_keeps_every_key_tied_with_the_kth():
+    """caa's top-k in a decoding step (kernels.DECODE, which reads the values of the kept keys
+    only): with every key repeated 10 times, so that 10 logits tie with the k-th highest,
+    every tied key is kept (attention.topk_mask's rule): equal to the reference."""
+    import attention
+    import kernels
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, S = 2, 4, 2, 8, 50
+    k = torch.randn(B, Hkv, 5, D, generator=g).repeat(1, 1, 10, 1)  # 5 distinct keys, 10 copies each
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    q = torch.randn(B, H, 2, D, generator=g)
+    k_per_query = torch.tensor([3, 7])
+    ref = attention.topk_attention(q, k, v, 0.3, S - 2, 0, k_per_query, 7)
+    out = kernels.DECODE.topk_attention(q, k, v, 0.3, S - 2, 0, k_per_query, 7)
+    assert (out - ref).abs().max() < 1e-5
