@@ -946,14 +946,18 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
 def _compressed_probs(q, k, scale, q_start, length, stride, group):
     """(N, G T, C) float32 probabilities of attention.compressed_probs for q (N, G T, D),
     the G = group query heads of a key head stacked along the rows, k (N, C, D): one matmul,
-    the invisible keys set to -inf in place, one softmax, the rows that see no key set to 0
+    the invisible keys set to -inf in place (only the columns from the first query's first
+    invisible key: the rest every query sees), one softmax, the rows that see no key set to 0
     (the first length - 1 positions: all -inf gives NaN)."""
     N, rows, C = q.shape[0], q.shape[1], k.shape[1]
     T = rows // group
     logits = torch.bmm(q * scale, k.transpose(1, 2))  # (N, G T, C)
+    first = _seen(C, q_start, length, stride)  # the keys the chunk's first query sees
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
-    hidden = torch.arange(C, device=q.device) * stride + length - 1 > q_pos  # (T, C): not yet complete
-    p = torch.softmax(logits.view(N, group, T, C).masked_fill_(hidden, NEG_INF), dim=-1)
+    hidden = torch.arange(first, C, device=q.device) * stride + length - 1 > q_pos  # (T, C - first): not yet complete
+    logits = logits.view(N, group, T, C)
+    logits[..., first:].masked_fill_(hidden, NEG_INF)
+    p = torch.softmax(logits, dim=-1)
     empty = min(T, max(0, length - 1 - q_start))  # queries before the first complete compressed key
     if empty:
         p[:, :, :empty] = 0.0
