@@ -22,7 +22,12 @@ What is printed, per variant and T:
   keys, values, summaries, and the inputs of the windows not yet summarised).
 - read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x
   bound: the batch-1 step over the time to read once the model's weights and every layer's
-  definition reads, at the read bandwidth measured here (a sum over a tensor of that size).
+  definition reads, at the read bandwidth measured right after that row's steps (a sum over
+  a tensor of that size, at least 256 MB: the machine's bandwidth moves between runs, by 30%
+  here).
+  Above the table, what no variant's step avoids: the weights' products alone, one token
+  at batch 1 and at --batch (`weight_products`), and the first over the time to read the
+  weights once.
 
 A variant whose prefill would take longer than --budget seconds, extrapolated from its time
 at the last length as T^2 (asga's pair gate and caa's ranking score every (query, key) pair),
@@ -45,6 +50,7 @@ from model import PRESETS, Model, ModelConfig  # noqa: E402
 
 ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
 MB = 1e6
+BANDWIDTH_BYTES = 1 << 28  # the read bandwidth's sum reads at least this much: past any CPU's caches
 
 
 def build(attn, layers, vocab, device, seed=0):
@@ -92,6 +98,24 @@ def read_bandwidth(nbytes, device, repeats=5):
     return x.numel() * 4 / statistics.median(times)
 
 
+def weight_products(layers, vocab, device, batch, repeats=5):
+    """Milliseconds of one token's products with every weight matrix of the model (each
+    nn.Linear of `full`, in model order, at `batch` rows; median of `repeats` passes): what
+    every variant's step does besides attention, and, at batch 1, a matrix-vector product
+    per matrix, read from memory each pass (the matrices together outsize the caches)."""
+    model = build("full", layers, vocab, device)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(batch, m.in_features, device=device) for m in linears]
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t0 = clock(device)
+            for m, x in zip(linears, xs):
+                m(x)
+            times.append(clock(device) - t0)
+    return 1e3 * statistics.median(times[1:])
+
+
 def clock(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -132,7 +156,8 @@ def measure(attn, T, args, autocast):
     del cache, model
     return dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes,
                 decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
-                reads_per_layer=reads, weight_bytes=weights)
+                reads_per_layer=reads, weight_bytes=weights,
+                read_bandwidth=read_bandwidth(max(weights + args.layers * reads, BANDWIDTH_BYTES), args.device))
 
 
 def spread(ms):
@@ -155,7 +180,7 @@ def table(rows, args, bandwidth):
                 out.append(f"| {name} | {T} | skipped: {r['skipped']} |" + " |" * 8)
                 continue
             one, many = statistics.median(r["decode_ms"]), statistics.median(r["decode_batch_ms"])
-            bound_ms = 1e3 * (r["weight_bytes"] + args.layers * r["reads_per_layer"]) / bandwidth
+            bound_ms = 1e3 * (r["weight_bytes"] + args.layers * r["reads_per_layer"]) / r.get("read_bandwidth", bandwidth)
 
             def rel(value, key, fn=statistics.median):
                 return f"{value / fn(base[key]):.2f}" if base else "-"
@@ -224,7 +249,16 @@ def main(argv=None):
     measured = [r for r in rows.values() if "prefill_s" in r and r["T"] in args.lengths]
     largest = max((r["weight_bytes"] + args.layers * r["reads_per_layer"] for r in measured), default=1 << 26)
     bandwidth = read_bandwidth(largest, args.device)
-    print(f"\nread bandwidth: {bandwidth / 1e9:.1f} GB/s (a sum over {largest / MB:.0f} MB, {args.threads} thread(s))\n")
+    print(f"\nread bandwidth now: {bandwidth / 1e9:.1f} GB/s (a sum over {largest / MB:.0f} MB, {args.threads} thread(s)); "
+          f"each row's own, measured after its steps: " + ", ".join(
+              f"{r['read_bandwidth'] / 1e9:.1f}" for r in measured if "read_bandwidth" in r) + " GB/s")
+    weights = next((r["weight_bytes"] for r in measured), None)
+    if weights:
+        one, many = (weight_products(args.layers, args.vocab, args.device, b) for b in (1, args.batch))
+        print(f"the weights' products alone (every nn.Linear, one token): {one:.1f} ms at batch 1 = "
+              f"{one / (1e3 * weights / bandwidth):.2f}x the time to read the weights once; {many:.1f} ms at batch "
+              f"{args.batch}")
+    print()
     print(table(list(rows.values()), args, bandwidth))
 
 

@@ -6,6 +6,7 @@ before it runs any torch op, and a child forked from this test process (whose Op
 threads earlier tests started) deadlocked in the full suite."""
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -226,6 +227,9 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     assert float(cells[5]) == pytest.approx(statistics.median(rows[128, "nsa"]["decode_ms"])
                                             / statistics.median(full["decode_ms"]), abs=0.006)
     assert "| full | 64 | " in r.stdout and "| 1.00 |" in r.stdout.split("| full | 64 |")[1].split("\n")[0]
+    floor = re.search(r"the weights' products alone .*: ([\d.]+) ms at batch 1 = ([\d.]+)x .*; ([\d.]+) ms at batch 8",
+                      r.stdout)
+    assert floor and 0 < float(floor[1]) and 0 < float(floor[3]) and float(floor[2]) > 0, r.stdout[-2000:]
     again = subprocess.run(cmd + ["--lengths=64,128,256", "--budget=0"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
