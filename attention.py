@@ -82,9 +82,10 @@ Which implementation runs. A variant calls a few operations through `self.ops(q)
 core attentions (`attention`, `pair_gated_attention`, `topk_attention`, `combiner_attention`,
 `block_attention`, `selected_attention`, each defined directly above the first variant that
 uses it) and the stages that need a fast form (nsa's `compressed_branch`, the indexer's
-`indexer_topk` and `indexer_kl`, asga's recorded `mean_pair_gate`, the selections' `top_n`). `ops` at the end of this file is the one place
-that picks this file's definitions (kernel='ref') or kernels.py's fast forms of the same
-functions (chunked, checkpointed, fused, or read from a KV cache; tested against these).
+`indexer_topk` and `indexer_kl`, asga's recorded `mean_pair_gate`, the selections'
+`top_n`). `ops` at the end of this file is the one place that picks this file's definitions
+(kernel='ref') or kernels.py's fast forms of the same functions (chunked, checkpointed,
+fused, or read from a KV cache; tested against these).
 Imports run one way: kernels.py imports nothing from here.
 
 Summaries. nsa's compressed keys, moba's block means, combiner's spans, the indexer's keys
@@ -1220,8 +1221,9 @@ class NativeSparseAttention(CausalSelfAttention):
     def observe(self, q, k, v, x, q_start, k_start, summary):
         cfg = self.cfg
         k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary
-        blocks = self.ops(q).compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
-                                               cfg.nsa_cmp_stride, cfg.nsa_block, self.choose)[1]
+        with torch.no_grad():  # the blocks `attend` chose, from the same stage on the same inputs
+            blocks = self.ops(q).compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
+                                                   cfg.nsa_cmp_stride, cfg.nsa_block, self.choose)[1]
         g = self.branch_gates(x)
         for i, name in enumerate(self.BRANCHES):
             self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)
