@@ -1124,10 +1124,10 @@ def blockwise_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride,
 @torch.no_grad()
 def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
     """The block scores of attention.compressed_branch ([NSA] eqs. 8-9) a chunk of queries at
-    a time (`COMPRESSED_SCORES`), for FLEX: the probabilities p^cmp (T x T / stride per head, quadratic by
-    definition) exist one chunk at a time, turned at once into the chunk's (chunk, J) block
-    scores by `sliding_block_scores`. The query heads of a key head share one matmul
-    (`_grouped`)."""
+    a time (`COMPRESSED_SCORES`), for FLEX: the probabilities p^cmp (T x T / stride per head,
+    quadratic by definition) exist one chunk at a time, turned at once into the chunk's
+    (chunk, J) block scores by `sliding_block_scores`. The query heads of a key head share
+    one matmul (`_grouped`)."""
     with torch.autocast(q.device.type, enabled=False):
         B, H, T, D = q.shape
         C = k_cmp.shape[2]
@@ -1143,8 +1143,8 @@ def chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
 
 def sliding_block_scores(p_cmp, J, length, stride, block):
     """Eq. 9 of attention.compressed_branch, p_cmp (.., C) @ block_overlap(C, J, ...), without
-    the (C, J) matrix, in O(C) per query instead of O(C J): at T = 8192 the matmul was 4x the FLOPs of
-    the compressed branch's own q k^T (J = T / block columns). Compressed key i covers the
+    the (C, J) matrix, in O(C) per query instead of O(C J): at T = 8192 the matmul was 4x the
+    FLOPs of the compressed branch's own q k^T (J = T / block columns). Compressed key i covers the
     stride-segments i .. i + covers - 1 (covers = length / stride), each holding stride
     positions worth p_i / stride each, so block j (segments j pb .. j pb + pb - 1, pb = block
     / stride) gets sum_i p_i #(the segments both hold): a weighted sum over the keys j pb -
