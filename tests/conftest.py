@@ -59,6 +59,18 @@ ENGLISH = (
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, restored after: the small tensors of the attention
+    tests ran ~10x slower with 2 threads on the shared 2-core machines (OpenMP's barrier
+    waits, measured). A module opts in with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def english_text():
     return ENGLISH
 

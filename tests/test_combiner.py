@@ -18,13 +18,7 @@ S = 4  # block size of the small cases
 LENGTHS = (1, 7, S - 1, S, S + 1, 3 * S + 5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: one thread avoids OpenMP barrier waits on the shared 2-core machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 def loop_combiner(q, k, v, block, scale):

@@ -26,12 +26,7 @@ UNIT = {"nsa": SIZES["nsa_cmp_stride"], "moba": SIZES["moba_block"], "combiner":
 SHORT, LONG = 512, 2048
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 # Ops that read their first input at the positions an index names: they read what they return.

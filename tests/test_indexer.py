@@ -24,12 +24,7 @@ warnings.filterwarnings("ignore", message=".*flex_attention called without torch
 SMALL = dict(n_head=4, n_kv_head=2, head_dim=8, d_model=16, window=6, index_heads=3, index_head_dim=8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 def make(seed=0, **flags):

@@ -56,14 +56,7 @@ CONFIGS = [
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are small: on the shared 2-core machines, OpenMP's barrier waits made
-    every op ~10x slower with 2 threads than with 1 (measured). Restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 def uses_window(attn, flags):

@@ -25,12 +25,7 @@ NSA = dict(nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=8, nsa_topk=4, nsa_windo
 MOBA = dict(moba_block=8, moba_topk=3)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 def make(attn, seed=0, **flags):
