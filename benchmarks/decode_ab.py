@@ -76,8 +76,9 @@ def main(argv=None):
         line = (f"| {attn} | {T} | {label} | {prefill:.2f} | {prefill / full[0]:.2f} | {ms:.1f} | {ms / full[1]:.2f} "
                 f"| {ms / before[1]:.2f} |")
         if wide:
-            line += (" - | - | - |" if many is None else f" {many:.1f} | {many / full[2]:.2f} | "
-                     f"{many / before[2]:.2f} |" if before[2] else f" {many:.1f} | {many / full[2]:.2f} | - |")
+            cells = ["-", "-", "-"] if many is None else [f"{many:.1f}", f"{many / full[2]:.2f}",
+                                                          f"{many / before[2]:.2f}" if before[2] else "-"]
+            line += "".join(f" {c} |" for c in cells)
         print(line)
 
 
