@@ -1000,9 +1000,9 @@ class CombinerAttention(CausalSelfAttention):
                                   self.scale)
 
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
-        if summary is None:  # the blocks before the last query's own, which it reads directly
-            n = (q_start + q.shape[2] - 1) // self.cfg.window * self.cfg.window - k_start
-            summary = self.summarise(q[:, :, :n], k[:, :, :n], v[:, :, :n], x, k_start)
+        if summary is None:  # every block's, less the last query's own block on (it reads those keys directly)
+            before = (q_start + q.shape[2] - 1) // self.cfg.window - k_start // self.cfg.window
+            summary = tuple(t[:, :, :before] for t in self.summarise(q, k, v, x, k_start))
         kbar, vbar = summary
         return self.ops(q).combiner_attention(q, k, v, kbar, vbar, self.scale, q_start, k_start, self.cfg.window)
 
