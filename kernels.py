@@ -1298,6 +1298,12 @@ BLOCKWISE = Ops(
 COMPILE_FLEX = None  # compile FlexAttention and the gathers: None = on CUDA only; True/False forces it (tests)
 _compiled = {}  # function -> its compiled form, made on first use by `compile_fn`
 compile_fn = functools.partial(torch.compile, dynamic=False)
+# The compiles one process may make of each function: one per shape and score_mod. dynamo's
+# own limit, 8, is reached by a process that prefills a few prompt lengths with a few
+# variants, and past it dynamo runs the function uncompiled, silently: for FlexAttention that
+# materialises the (T, S) scores (on an H100, benchmarks/decode.py asked for 574 GiB at
+# T = 32768). Past this limit the call fails instead, saying so.
+RECOMPILE_LIMIT = 64
 
 
 def compiled_on_gpu(fn, q):
@@ -1306,9 +1312,24 @@ def compiled_on_gpu(fn, q):
     elsewhere. (Decode-sized calls never come here: attention.ops gives them DECODE.)"""
     if (q.device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX) and not torch.compiler.is_compiling():
         if fn not in _compiled:
-            _compiled[fn] = compile_fn(fn)
+            _compiled[fn] = _never_uncompiled(compile_fn(fn), fn.__name__)
         return _compiled[fn]
     return fn
+
+
+def _never_uncompiled(compiled, name):
+    """compiled, allowed RECOMPILE_LIMIT compiles, and an error past them where dynamo would
+    fall back to running the function eagerly."""
+    def call(*args, **kwargs):
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise RuntimeError(
+                f"{name} has been compiled for {RECOMPILE_LIMIT} shapes or score_mods in this process "
+                f"(kernels.RECOMPILE_LIMIT), and run uncompiled it would materialise every score; raise "
+                f"kernels.RECOMPILE_LIMIT, or call it with fewer distinct lengths (pad prompts to a few)") from e
+    return call
 
 
 _block_masks = {}  # (T, S, q_start, k_start, window, window_from, device) -> BlockMask

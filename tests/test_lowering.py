@@ -235,6 +235,46 @@ def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
         assert counter.frame_count >= 1, "the indexer's gathered attention was not compiled for the prompt"
 
 
+def _prefill_lengths(monkeypatch, lengths, limit=None):
+    """Prefill a `local` model (one FlexAttention call a layer) at each length with the GPU
+    path's compile forced on, compiled by a counting backend; the counter."""
+    from torch._dynamo.testing import CompileCounter
+
+    from model import Model
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernels, "COMPILE_FLEX", True)
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "compile_fn", lambda fn: torch.compile(fn, backend=counter, dynamic=False))
+    if limit is not None:
+        monkeypatch.setattr(kernels, "RECOMPILE_LIMIT", limit)
+    cfg = ModelConfig(**dict(PRESETS["tiny"], attn="local", kernel="flex", n_layer=1, **SMALL))
+    torch.manual_seed(0)
+    model = Model(cfg).eval()
+    try:
+        with torch.no_grad():
+            for n in lengths:
+                model(torch.randint(0, cfg.vocab_size, (1, n)), cache=model.new_cache())
+    finally:
+        torch._dynamo.reset()
+    return counter
+
+
+def test_a_process_compiles_flex_attention_for_more_than_eight_lengths(monkeypatch):
+    """Each new prompt length compiles FlexAttention again (dynamic=False). Past dynamo's own
+    limit of 8 compiles it ran the call uncompiled, silently, which on a GPU materialises the
+    (T, S) scores (an H100 ran out of memory so at T = 32768): every length here compiles."""
+    lengths = list(range(20, 31))
+    counter = _prefill_lengths(monkeypatch, lengths)
+    assert counter.frame_count == len(lengths), f"{counter.frame_count} compiles for {len(lengths)} lengths"
+
+
+def test_past_the_recompile_limit_the_call_fails_instead_of_running_uncompiled(monkeypatch):
+    with pytest.raises(RuntimeError, match="kernels.RECOMPILE_LIMIT"):
+        _prefill_lengths(monkeypatch, [20, 21, 22], limit=2)
+
+
 def test_pair_gate_kernels_get_small_tiles(monkeypatch):
     """asga's score_mod runs r = 16 GELUs per score: at inductor's default tiles (128 x 128
     forward on an H100, 128 scores a thread) its forward kernel's PTX was 14.8 MB and ptxas
