@@ -1776,9 +1776,16 @@ def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
     gradients of k and v into indexed atomic adds), so no (T, n, D) tensor exists, only
     the (H, T, n) scores [DS32]'s own kernel keeps. The query heads of a key head read the
     same gathered keys (the selection is per query). Eager (CPU tests, DECODE's calls)
-    it materialises the gathered keys: correct, not fast."""
+    it materialises the gathered keys: correct, not fast. Checkpointed where it
+    differentiates: compiled inside a whole block, inductor's partitioner otherwise kept the
+    (T, n, D) products of q with the gathered keys and of p with the gathered values for the
+    backward, 6 GiB a layer each at qwen-134m's batch of 16 x 1024 (its training ran out of
+    memory on an H100); the backward gathers again instead."""
     q, k, v = _same_dtype(q, k, v)
-    return compiled_on_gpu(_gathered_attention, q)(q, k, v, scale, q_start, k_start, keys)
+    fn = compiled_on_gpu(_gathered_attention, q)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return torch.utils.checkpoint.checkpoint(fn, q, k, v, scale, q_start, k_start, keys, use_reentrant=False)
+    return fn(q, k, v, scale, q_start, k_start, keys)
 
 
 def _listed_logits(q, k, scale, q_start, k_start, keys):

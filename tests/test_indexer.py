@@ -439,6 +439,39 @@ def test_flex_selected_attention_compiled_keeps_no_gathered_keys():
     assert max(sizes) >= H * T * n, "the (H, T, n) scores are the largest buffer"
 
 
+def test_a_compiled_training_block_keeps_no_gathered_products_for_the_backward():
+    """Compiled as train.py compiles (model.compile_blocks, inductor, here for the CPU), the
+    sparse stage's training step: no tensor saved for the backward is as large as the
+    (T, n, D) gathered keys or values of a head. Inside a whole block the partitioner kept
+    q times the gathered keys and p times the gathered values, each (B, H, T, n, D): 6 GiB a
+    layer at qwen-134m's batch of 16 x 1024, and the indexer's training ran out of memory on
+    an H100. kernels.flex_selected_attention checkpoints the gathers, so the backward gathers
+    again."""
+    from model import compile_blocks
+
+    torch._dynamo.reset()
+    cfg = ModelConfig(**dict(PRESETS["tiny"], attn="indexer", kernel="flex", n_layer=1, n_head=4, n_kv_head=4,
+                             head_dim=16, d_model=64, vocab_size=64, window=16, index_head_dim=8))
+    B, T, n, D = 2, 64, 16, 16
+    torch.manual_seed(0)
+    model = Model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (B, T + 1))
+    compiled = compile_blocks(model)
+
+    def loss():
+        _, ce = compiled(tokens[:, :-1], tokens[:, 1:])
+        return ce + model.indexer_loss()
+
+    loss().backward()  # compiles
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = loss()
+    out.backward()
+    torch._dynamo.reset()
+    assert saved, "no saved tensors seen"
+    assert max(saved) < B * cfg.n_head * T * n * D, (max(saved), B * cfg.n_head * T * n * D)
+
+
 def test_fused_and_flex_equal_the_reference():
     """Whole variant, T = 45 and 130 (past FlexAttention's 128 tile): fused outputs and the
     gradients of q, k, v, x and every parameter, and of the KL; flex outputs and the KL's
