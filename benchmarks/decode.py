@@ -239,7 +239,14 @@ def main(argv=None):
             elif last and "skipped" in last:
                 rows[T, name] = dict(variant=name, T=T, skipped=f"skipped at {args.lengths[i - 1]}")
             else:
-                rows[T, name] = measure(name, T, args, autocast)
+                try:
+                    rows[T, name] = measure(name, T, args, autocast)
+                except Exception as e:  # noqa: BLE001 - the row says so and the others still run
+                    text = str(e).strip()
+                    rows[T, name] = dict(variant=name, T=T, skipped=f"failed: {type(e).__name__}: "
+                                         f"{text.splitlines()[0][:200] if text else ''}")
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
             r = rows[T, name]
             print(f"  T={T} {name}: " + (r["skipped"] if "skipped" in r else
                   f"prefill {r['prefill_s']:.2f} s, decode {statistics.median(r['decode_ms']):.1f} ms, batch "

@@ -35,6 +35,7 @@ minute, float32 with kernel=fused (blockwise) and no compile: the suite runs it 
 (tests/test_benchmarks.py), so the command is known to work before it meets a GPU.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -304,7 +305,6 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
     run = dict(device=device, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", autocast=autocast,
                ddp=False, master=True)
     tc = TrainConfig()
-    name_of_device = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     for name, flags in configs or CONFIGS:
         row = dict(config=name, T=T, batch=B, steps=steps)
         if deadline is not None and deadline - time.time() < need_s:
@@ -314,46 +314,59 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
             print(f"training  {name:14s} T={T:5d} {shown}", flush=True)
             continue
         try:
-            torch.manual_seed(0)
-            mc = config(name, flags, shape)
-            model = Model(mc).to(device)
-            row["flops_per_token"] = flops.flops_per_token(model, T)
-            tokens = torch.randint(0, mc.vocab_size, (B, T + 1), device=device)
-            row["kernel"] = preflight(model, tokens[:2], mc, run, typed=set())
-            optimizer = train.make_optimizer(model, tc)
-            if compile_model:
-                torch._dynamo.reset()  # a fresh compile per configuration (and no recompile limit reached)
-            step_model = compile_blocks(model) if compile_model else model  # as train.py compiles
-
-            def step():
-                with autocast:
-                    _, loss = step_model(tokens[:, :-1], tokens[:, 1:])
-                    kl = model.indexer_loss()
-                (loss if kl is None else loss + kl).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            row["first_step_s"] = timer.time(step)  # compiles included: when training is ready
-            timer.reset()
-            times = [timer.time(step) for _ in range(steps)]
-            row["tok_s"] = B * T / statistics.median(times)
-            row["peak_gb"] = timer.peak_gb()
-            row["flop_s"] = row["flops_per_token"] * row["tok_s"]
-            row["mfu"] = flops.mfu(row["flop_s"], name_of_device) if device.startswith("cuda") else None
-            use = f"mfu {100 * row['mfu']:5.1f}%" if row["mfu"] is not None else f"{row['flop_s'] / 1e12:.3g} TFLOP/s"
-            shown = (f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}  "
-                     f"first step {row['first_step_s']:.1f} s")
-            del model, step_model, optimizer
+            shown = train_one(name, flags, shape, device, run, tc, autocast, compile_model, timer, row)
         except SystemExit as e:  # config.fail inside the preflight: its line is on stderr
             row["error"] = shown = f"stopped by the preflight (exit {e.code})"
         except Exception as e:  # noqa: BLE001 - kept in the row
             row["error"] = shown = first_line(e)
+        # The failed configuration's model and optimizer lived in train_one's frame, which the
+        # exception held: free them before the next one (an out-of-memory error left 77 GiB
+        # allocated on an H100, and every configuration after it failed).
+        if compile_model:
+            torch._dynamo.reset()
+        gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         rows.append(row)
         save()
         print(f"training  {name:14s} T={T:5d} {shown}", flush=True)
     return rows
+
+
+def train_one(name, flags, shape, device, run, tc, autocast, compile_model, timer, row):
+    """One configuration's training steps, its numbers written into row; the line to print.
+    Its model and optimizer live only in this frame."""
+    T, B, steps = shape["T"], shape["batch"], shape["steps"]
+    torch.manual_seed(0)
+    mc = config(name, flags, shape)
+    model = Model(mc).to(device)
+    row["flops_per_token"] = flops.flops_per_token(model, T)
+    tokens = torch.randint(0, mc.vocab_size, (B, T + 1), device=device)
+    row["kernel"] = preflight(model, tokens[:2], mc, run, typed=set())
+    optimizer = train.make_optimizer(model, tc)
+    if compile_model:
+        torch._dynamo.reset()  # a fresh compile per configuration (and no recompile limit reached)
+    step_model = compile_blocks(model) if compile_model else model  # as train.py compiles
+
+    def step():
+        with autocast:
+            _, loss = step_model(tokens[:, :-1], tokens[:, 1:])
+            kl = model.indexer_loss()
+        (loss if kl is None else loss + kl).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    row["first_step_s"] = timer.time(step)  # compiles included: when training is ready
+    timer.reset()
+    times = [timer.time(step) for _ in range(steps)]
+    row["tok_s"] = B * T / statistics.median(times)
+    row["peak_gb"] = timer.peak_gb()
+    row["flop_s"] = row["flops_per_token"] * row["tok_s"]
+    cuda = device.startswith("cuda")
+    row["mfu"] = flops.mfu(row["flop_s"], torch.cuda.get_device_name(device)) if cuda else None
+    use = f"mfu {100 * row['mfu']:5.1f}%" if row["mfu"] is not None else f"{row['flop_s'] / 1e12:.3g} TFLOP/s"
+    return (f"{row['tok_s'] / 1e3:8.1f}k tok/s  {use}  kernel={row['kernel']}  "
+            f"first step {row['first_step_s']:.1f} s")
 
 
 def environment(device):

@@ -157,6 +157,45 @@ def test_gpu_check_profile_dry_run(tmp_path):
     assert "skipped" in (tmp_path / "none.md").read_text()
 
 
+def test_gpu_check_frees_a_failed_configuration_before_the_next(monkeypatch):
+    """A training row that fails in its step (on an H100: the indexer out of memory) must not
+    keep its model and optimizer alive into the next configuration, whose preflight then ran
+    out of memory too: the next one starts with the failed model collected."""
+    import weakref
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    models, alive_at_next = [], []
+
+    def preflight(model, tokens, mc, run, typed):
+        models.append(weakref.ref(model))
+        if len(models) > 1:
+            alive_at_next.append(models[0]() is not None)
+        return "fused"
+
+    class Failing:  # the first configuration's optimizer: its step fails, as an allocation would
+        def __init__(self, model):
+            self.params = list(model.parameters())
+
+        def step(self):
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    made = []  # counts only: a reference here would keep the model alive
+
+    def make_optimizer(model, tc):
+        made.append(len(made))
+        return Failing(model) if len(made) == 1 else torch.optim.SGD(model.parameters(), lr=0.0)
+
+    monkeypatch.setattr(gpu_check, "preflight", preflight)
+    monkeypatch.setattr(gpu_check.train, "make_optimizer", make_optimizer)
+    shape = dict(gpu_check.TINY, steps=1)
+    rows = gpu_check.training_rows(shape, "cpu", torch.float32, compile_model=False,
+                                   configs=[("local", {}), ("local", {})])
+    assert "simulated" in rows[0]["error"] and "tok_s" in rows[1], rows
+    assert alive_at_next == [False], "the failed configuration's model was still alive at the next preflight"
+
+
 def test_compile_time_compares_whole_and_blocks(tmp_path):
     """benchmarks/compile_time.py: per variant, the first training step compiled whole and
     block by block (train.py's model.compile_blocks), side by side; each traces one graph."""
@@ -236,6 +275,30 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     kept = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
     assert all(kept[key] == rows[key] for key in rows)  # measured once
     assert "skipped" in kept[256, "nsa"] and "extrapolated as T^2" in again.stdout
+
+
+def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
+    """A row that fails (on an H100: nsa's prefill out of memory at T = 32768) is kept with its
+    error, and the rows after it are still measured."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode
+    real = decode.measure
+
+    def measure(attn, T, args, autocast):
+        if attn == "local":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(attn, T, args, autocast)
+
+    monkeypatch.setattr(decode, "measure", measure)
+    out = tmp_path / "decode.json"
+    threads = torch.get_num_threads()
+    try:
+        decode.main(["--lengths=32", "--variants=full,local,nsa", "--steps=1", "--layers=1", f"--out={out}"])
+    finally:
+        torch.set_num_threads(threads)  # decode.py sets one thread
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["local"]["skipped"].startswith("failed: RuntimeError: CUDA out of memory")
+    assert "decode_ms" in rows["nsa"] and "decode_ms" in rows["full"]
 
 
 def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
