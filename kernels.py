@@ -77,9 +77,10 @@ here and the loops write into float32 buffers):
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Time O(T n H D), memory O(T D) plus one chunk.
-FLEX's selected attention (`flex_selected_attention`): the listed keys read by index, in a
-compiled function whose gathers inductor folds into the two reductions (scores, output):
-O(T n) work, no (T, n, D) tensor; not FlexAttention, whose tiles cannot follow per-token choices.
+FLEX's selected attention (`flex_selected_attention`): one FlexAttention call whose mask_mod
+reads each query's listed keys as bits and whose query tiles list the key tiles any of their
+queries chose: per-token choices touch nearly every tile, so the work is about dense, on
+tensor cores (reading the keys by index, O(T n) work, ran 24x flash SDPA's time on an H100).
 FLEX's block attention (nsa's selected branch, moba): [MoBA]'s efficient form in one
 FlexAttention call (`selection_rows`, `flex_block_attention`). Every (query, key tile it
 reads) pair is one row of a virtual query sequence sorted by tile (one sort, a few scatters,
@@ -1765,27 +1766,60 @@ def flex_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
 
 
 def flex_selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """attention.selected_attention at a cost linear in T x n: each query's n listed keys
-    are read by index, never through a mask over (T, S). Why not FlexAttention: a BlockMask
-    lists, per 128-query tile, the union of its queries' choices, and per-token top-k
-    choices touch nearly every tile (measured: 1.03x the tiles of dense causal attention at
-    T = 4096), so the work stayed quadratic. Here the scores are a product and a sum over D
-    of q with the gathered keys, and the output a sum over the n slots of the
-    probabilities times the gathered values: compiled (on CUDA, or inside a compiled
-    model), inductor turns each into one kernel with indexed loads (and the backward's
-    gradients of k and v into indexed atomic adds), so no (T, n, D) tensor exists, only
-    the (H, T, n) scores [DS32]'s own kernel keeps. The query heads of a key head read the
-    same gathered keys (the selection is per query). Eager (CPU tests, DECODE's calls)
-    it materialises the gathered keys: correct, not fast. Checkpointed where it
-    differentiates: compiled inside a whole block, inductor's partitioner otherwise kept the
-    (T, n, D) products of q with the gathered keys and of p with the gathered values for the
-    backward, 6 GiB a layer each at qwen-134m's batch of 16 x 1024 (its training ran out of
-    memory on an H100); the backward gathers again instead."""
+    """attention.selected_attention as one FlexAttention call: the mask_mod reads each query's
+    listed keys as one bit per key (`listed_bits`), and each query tile lists only the key
+    tiles that hold a visible listed key of one of its queries (`listed_tiles`).
+
+    Why tiles and not each query's n keys read by index (O(T n) work, what this path did
+    before): on an H100 (benchmarks/gpu_runs/h100_2026-11-27.md) the gathered form ran at ~0.6
+    TFLOP/s, gathers and atomic adds without tensor cores, 24x flash SDPA's time at T = 4096,
+    n = 256, while FlexAttention's tiles run on tensor cores at hundreds of TFLOP/s. Per-token
+    choices touch nearly every tile (1.03x the tiles of dense causal attention at T = 4096 on
+    random data), so this is about dense work at FlexAttention's speed: less than the gathers
+    cost up to T ~ 64k at n = 256 (estimated from the two rates; not yet timed). The query
+    heads of a key head share the selection (it is per query)."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
     q, k, v = _same_dtype(q, k, v)
-    fn = compiled_on_gpu(_gathered_attention, q)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return torch.utils.checkpoint.checkpoint(fn, q, k, v, scale, q_start, k_start, keys, use_reentrant=False)
-    return fn(q, k, v, scale, q_start, k_start, keys)
+    bits = listed_bits(keys, S)  # (B, T, ceil(S / 8)) uint8
+
+    def mask_mod(b, h, i, j):
+        chosen = ((bits[b, i, j // 8].to(torch.int32) >> (j % 8)) & 1) == 1
+        return chosen & (k_start + j <= q_start + i)
+
+    mask = listed_tiles(keys, T, S, q_start, k_start, mask_mod)
+    return _run_flex(q, k, v, None, mask, scale)
+
+
+def listed_bits(keys, S):
+    """(B, T, ceil(S / 8)) uint8: bit j % 8 of byte j // 8 set where the query lists key j
+    (keys (B, T, n), -1 empty, each key listed at most once, as a top-k lists them). Made by
+    adding each listed key's bit into its byte (distinct bits: the sum is their union), so no
+    (B, T, S) tensor exists; 1/8 of one, which the backward keeps."""
+    B, T, _ = keys.shape
+    words = ceil_div(S, 8)
+    ok = (keys >= 0) & (keys < S)
+    byte = torch.where(ok, keys // 8, words)  # empty -> a spare byte, dropped
+    bit = torch.where(ok, 1 << (keys % 8), 0).int()
+    packed = torch.zeros(B, T, words + 1, dtype=torch.int32, device=keys.device).scatter_add_(-1, byte, bit)
+    return packed[..., :words].to(torch.uint8)
+
+
+def listed_tiles(keys, T, S, q_start, k_start, mask_mod):
+    """The BlockMask (FLEX_TILE x FLEX_TILE, one for every head) whose query tile lists the key
+    tiles holding a visible listed key of any of its queries, in order; each tile partial
+    (mask_mod decides per pair)."""
+    B, _, n = keys.shape
+    device = keys.device
+    nq, nk = ceil_div(T, FLEX_TILE), ceil_div(S, FLEX_TILE)
+    t = torch.arange(T, device=device)[:, None]
+    visible = (keys >= 0) & (keys < S) & (k_start + keys <= q_start + t)  # (B, T, n)
+    flat = torch.where(visible, (t // FLEX_TILE) * nk + keys // FLEX_TILE, nq * nk)  # nq * nk: none
+    tiles = torch.zeros(B, nq * nk + 1, dtype=torch.bool, device=device).scatter_(1, flat.view(B, T * n), True)
+    tiles = tiles[:, :nq * nk].view(B, 1, nq, nk)
+    kv_num = tiles.sum(-1, dtype=torch.int32)
+    kv_idx = torch.sort((~tiles).int(), dim=-1, stable=True).indices.int()  # the listed tiles first, in order
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(T, S))
 
 
 def _listed_logits(q, k, scale, q_start, k_start, keys):
@@ -1805,26 +1839,12 @@ def _listed_logits(q, k, scale, q_start, k_start, keys):
     return logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), ok, some
 
 
-def _gathered_attention(q, k, v, scale, q_start, k_start, keys):
-    """flex_selected_attention's computation: q (B, H, T, D), k, v (B, Hkv, S, D), keys
-    (B, T, n) indices into the S keys (-1: empty), float32 scores and softmax."""
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    logits, _, some = _listed_logits(q, k, scale, q_start, k_start, keys)  # (B, Hkv, G, T, n)
-    p = torch.softmax(logits, -1) * some
-    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
-    v_sel = v[b, h, keys.clamp(min=0)[:, None]].float()  # (B, Hkv, T, n, D): indexed loads when compiled
-    out = (p[..., None] * v_sel[:, :, None]).sum(-2)  # (B, Hkv, G, T, D)
-    return out.view(B, H, T, D).to(v.dtype)
-
-
 def flex_indexer_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     """attention.indexer_kl on the GPU path. The dense warm-up (keys None) fits L^I over every
     visible key: T^2 by definition, in GPU-sized chunks (`chunked_indexer_kl`). The sparse
-    stage fits it over the n listed keys only, so it reads them by index as
-    `flex_selected_attention` does (`_listed_kl`: the main attention's logits and the
-    indexer's scores of the listed keys, compiled into indexed loads): O(T n) instead of the
+    stage fits it over the n listed keys only, so it reads them by index (`_listed_kl`: the
+    main attention's logits and the indexer's scores of the listed keys, compiled into
+    indexed loads; no gradient flows to the main attention's q, k): O(T n) instead of the
     chunked (T, S) logits masked down to n keys, which made the indexer's training step
     quadratic in T (measured on a CPU at T = 16384: 124 GiB allocated per layer forward)."""
     if keys is None:

@@ -36,8 +36,9 @@ gives them "for T = 1024"; they are not rescaled with T). Per configuration and 
   must be split into pieces sized for a GPU.
 
 Each FlexAttention call (`kernels._run_flex`), SDPA call (`kernels.causal_attention`) and, where
-kernels has one, gathered selected attention (`kernels._gathered_attention`, compiled into one
-kernel on a GPU; its work: the n listed keys of each query) and the indexer's sparse-stage loss
+kernels has one (checkouts before the indexer's selected attention became a FlexAttention
+call), gathered selected attention (`kernels._gathered_attention`, compiled into one kernel on
+a GPU; its work: the n listed keys of each query) and the indexer's sparse-stage loss
 over its listed keys (`kernels._listed_kl`, likewise compiled) is intercepted: its BlockMask
 read, and a stand-in of the same output shape returned (zeros,
 an autograd function whose backward returns zero gradients for q, k, v and the captured

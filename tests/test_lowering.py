@@ -55,8 +55,7 @@ SMALL = dict(n_head=2, n_kv_head=1, head_dim=16, d_model=32, window=8, caa_windo
              dsa_threshold=10, asga_hidden=3, caa_hidden=4)
 T = 24
 # Every configuration whose FLEX path calls FlexAttention ("full" and dsa without a window
-# take SDPA; the indexer's selected attention is a compiled gather, not FlexAttention:
-# tests/test_indexer.py checks what inductor generates for it).
+# take SDPA).
 CONFIGS = [
     ("local", {}),
     ("dsa", dict(dsa_window="adaptive")),
@@ -69,6 +68,7 @@ CONFIGS = [
     ("combiner", {}),
     ("nsa", dict(nsa_block=8, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_window=8, nsa_topk=3)),
     ("moba", dict(moba_block=8, moba_topk=2)),
+    ("indexer", dict(index_head_dim=8)),
 ]
 IDS = [f"{a}-" + "-".join(f"{v}" for v in o.values()) for a, o in CONFIGS]
 CAPTURING = [c for c in CONFIGS if c[0] in ("asga", "caa")]  # score_mods that capture parameters
@@ -208,11 +208,10 @@ def test_captured_gradients_are_per_row(attn, flags):
 
 @pytest.mark.parametrize("attn", sorted(VARIANTS))
 def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
-    """With the compiled GPU path forced on (as on CUDA: FlexAttention, and the indexer's
-    gathered attention), a prompt and then 20 cached decoding steps compile at most twice:
+    """With the compiled GPU path forced on (as on CUDA: FlexAttention), a prompt and then 20 cached decoding steps compile at most twice:
     decode-sized calls (kernels.DECODE_ROWS) run kernels.DECODE, uncompiled, instead of one
     compile per cache length (dynamo stops at 8). The compiles are counted by dynamo with a counting
-    backend (no code generated); the indexer's prompt is seen compiling its gather."""
+    backend (no code generated); the indexer's prompt is seen compiling its FlexAttention call."""
     from torch._dynamo.testing import CompileCounter
 
     import sample
@@ -221,7 +220,7 @@ def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
     counter = CompileCounter()
     torch._dynamo.reset()
     monkeypatch.setattr(kernels, "COMPILE_FLEX", True)
-    monkeypatch.setattr(kernels, "_compiled", {})  # FlexAttention and the indexer's gathers, compiled by the counter
+    monkeypatch.setattr(kernels, "_compiled", {})  # FlexAttention, compiled by the counter
     monkeypatch.setattr(kernels, "compile_fn", lambda fn: torch.compile(fn, backend=counter, dynamic=False))
     cfg = ModelConfig(**dict(PRESETS["tiny"], attn=attn, kernel="flex", **SMALL))
     torch.manual_seed(0)
@@ -232,7 +231,7 @@ def test_decoding_does_not_recompile_per_token(attn, monkeypatch):
     torch._dynamo.reset()
     assert counter.frame_count <= 2, f"{attn}: {counter.frame_count} compiles over 20 decoding steps"
     if attn == "indexer":
-        assert counter.frame_count >= 1, "the indexer's gathered attention was not compiled for the prompt"
+        assert counter.frame_count >= 1, "the indexer's FlexAttention call was not compiled for the prompt"
 
 
 def _prefill_lengths(monkeypatch, lengths, limit=None):
