@@ -455,6 +455,14 @@ def cuda_missing():
             f"--device=cpu (or auto)")
 
 
+def tf32_matmuls():
+    """float32 matmuls outside autocast (the selections' float32 scores, master-weight maths)
+    on TF32 tensor cores, as nanoGPT does: train.py, sample.py and the GPU benchmarks alike
+    (without it an H100 ran nsa's and the indexer's float32 products on its FP32 units)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 def resolve_device(name):
     """auto -> cuda when a GPU is visible, else cpu; cuda -> cuda:LOCAL_RANK."""
     if name == "auto":
@@ -497,9 +505,7 @@ def set_up(tc):
                      f"{torch.cuda.device_count()} are visible; lower --nproc_per_node"
                      + ("" if torch.cuda.device_count() else " or pass --device=cpu"))
             torch.cuda.set_device(device)
-            # float32 matmuls outside autocast (and master-weight maths) may use TF32 tensor cores
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            tf32_matmuls()
         else:
             keep_freed_memory()
         if ddp:

@@ -32,7 +32,7 @@ import torch
 
 from attention import attention_path
 from model import CheckpointError, describe_hf_load, load_checkpoint
-from config import cuda_missing, fail, load_pretrained, parse_source_flags
+from config import cuda_missing, fail, load_pretrained, parse_source_flags, tf32_matmuls
 
 def context_length(ckpt):
     """The sequence length the model was trained on (train_config's seq_len), or None."""
@@ -154,6 +154,8 @@ def main(argv=None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and cuda_missing():
         fail(f"sample.py: {cuda_missing()}")
+    if device.startswith("cuda"):
+        tf32_matmuls()
     source = args["ckpt"] or args["init_from"]
     if args["init_from"]:
         model, tok, summary = load_pretrained(args["init_from"], device, {**settings, "kernel": args["kernel"]},

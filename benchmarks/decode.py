@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from config import tf32_matmuls  # noqa: E402
 from model import PRESETS, Model, ModelConfig  # noqa: E402
 
 ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
@@ -209,6 +210,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device == "cuda" and not cuda:
         sys.exit("decode.py: --device=cuda but torch.cuda.is_available() is False")
+    if args.device == "cuda":
+        tf32_matmuls()  # as sample.py runs
     args.lengths = [int(t) for t in (args.lengths or "2048,8192,32768").split(",")]
     args.variants = [v for v in args.variants.split(",")]
     unknown = set(args.variants) - set(ORDER)

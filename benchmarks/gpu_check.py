@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 import flops  # noqa: E402
 import train  # noqa: E402
 from attention import VARIANTS  # noqa: E402
-from config import TrainConfig, preflight  # noqa: E402
+from config import TrainConfig, preflight, tf32_matmuls  # noqa: E402
 from model import PRESETS, Model, ModelConfig, compile_blocks  # noqa: E402
 
 # Every variant, and each flag that changes the kernels (gpu_compile_check's configurations).
@@ -458,6 +458,8 @@ def main(argv=None):
     parser.add_argument("--budget_s", type=float, help="--profile's time budget in seconds (default 480 on a GPU)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        tf32_matmuls()  # as train.py runs
     tiny = args.tiny or args.dry_run or device == "cpu"
     profiling = args.profile or args.dry_run
     shape = dict((PROFILE_TINY if tiny else PROFILE) if profiling else (TINY if tiny else GPU))
