@@ -764,6 +764,7 @@ def results_markdown(out, md_dir):
     L += text_section(stats, link)
     L += position_section(stats, link)
     L += paper_section(stats)
+    L += gpu_speed_section(link)
     L += later_baselines_section(stats, rec)
     L += scale_section(windows, rec, out, stats)
     L += pretrained.section(out / "pretrained", link)
@@ -907,6 +908,53 @@ def paper_section(stats):
     notes = [n.format(share_study=f"{windowed_share(t['seq_len'], t['dsa_threshold']):.0%}",
                       seq_len=t["seq_len"], threshold=t["dsa_threshold"]) for n in PAPER_NOTES]
     L += [""] + [f"- {n}" for n in notes] + ["", "Papers: " + "; ".join(PAPERS.values()) + "."]
+    return L + [""]
+
+
+# This project's goals for the variants the seeds give no speed for (tokens/s relative to
+# `full` on a GPU at qwen-134m, T = 1024).
+GPU_SPEED_GOALS = {"moba": "0.9x", "nsa": "0.8x", "indexer": "0.8x"}
+GPU_RUNS = ROOT / "benchmarks" / "gpu_runs"
+
+
+def gpu_speed_section(link, runs=GPU_RUNS):
+    """The seeds' tokens/s relative to their baselines beside ours on a GPU: the newest
+    committed gpu_check training rows (`benchmarks/gpu_runs/*/training.json`), each relative
+    to `full`'s on the same card; a configuration the run did not reach is "not yet run"."""
+    found = sorted(runs.glob("*/training.json"))
+    if not found:
+        return []
+    path = found[-1]
+    run = json.loads(path.read_text())
+    env, rows = run["environment"], {r["config"]: r for r in run["training"]}
+    full = rows.get("full", {}).get("tok_s")
+    if not full:
+        return []
+    seeds = {}
+    for paper, _, _, _, _, speed, cfg in PAPER_ROWS:
+        if cfg and cfg != "full" and speed and speed.rstrip(")").endswith("x"):
+            seeds.setdefault(cfg, []).append(f"{speed} ({paper})")
+    row0 = next(iter(run["training"]))
+    L = ["### The seeds' speed beside a GPU's", "",
+         f"The columns above are CPU costs. The seeds measured tokens/s on GPUs; ours: one "
+         f"{env.get('device_name', 'GPU')}, torch {env.get('torch')}"
+         f"{', CUDA ' + env['cuda'] if env.get('cuda') else ''}, commit {env.get('git_commit')}, bf16, qwen-134m, "
+         f"T = {row0['T']}, batch {row0['batch']}, compiled block by block, AdamW "
+         f"(`python benchmarks/gpu_check.py --profile`, [{path.parent.name}]({link(path.parent.parent / (path.parent.name + '.md'))})), "
+         f"each relative to `full`'s {full / 1e3:.1f}k tokens/s on the same card. Where a seed gives no "
+         f"number the goal is this project's.", "",
+         "| config | seed's tokens/s vs its baseline | ours on the GPU | MFU |", "|---|---|---|---|"]
+    for cfg in ("dsa", "local", "combiner", "caa", "asga", "moba", "nsa", "indexer"):
+        r = rows.get(cfg)
+        seed = ", ".join(seeds.get(cfg, [])) or f"– (goal {GPU_SPEED_GOALS.get(cfg, '–')})"
+        if r is None:
+            ours, mfu = "not yet run", ""
+        elif "tok_s" in r:
+            ours, mfu = f"{r['tok_s'] / full:.2f}x", f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        else:
+            error = r.get("error", "")
+            ours, mfu = ("out of memory" if error.startswith("OutOfMemoryError") else error[:60]), ""
+        L.append(f"| {cfg} | {seed} | {ours} | {mfu} |")
     return L + [""]
 
 

@@ -244,6 +244,26 @@ def test_loss_by_position_table_pairs_each_range_with_full(tmp_path):
     assert "128–" not in resolved and "Not evaluated yet: local" in resolved
 
 
+def test_gpu_speed_section_divides_by_full_on_the_same_card(tmp_path):
+    """RESULTS.md's GPU speed rows come from the newest committed gpu_check training rows:
+    each config's tokens/s over `full`'s of the same run, beside the seeds' own ratios; a
+    failed row says so and a config the run did not reach says "not yet run"."""
+    run = tmp_path / "h100_2099-01-01"
+    run.mkdir()
+    rows = [dict(config="full", T=1024, batch=16, tok_s=200e3, mfu=0.2),
+            dict(config="combiner", T=1024, batch=16, tok_s=150e3, mfu=0.15),
+            dict(config="indexer", T=1024, batch=16, error="OutOfMemoryError: CUDA out of memory.")]
+    env = dict(device_name="H100", torch="2.11", cuda="13.0", git_commit="abc1234")
+    (run / "training.json").write_text(json.dumps(dict(environment=env, training=rows)))
+    lines = sweep.gpu_speed_section(lambda p: str(p), runs=tmp_path)
+    table = {c[0]: c for c in ([x.strip() for x in line.split("|")[1:-1]] for line in lines
+                               if line.startswith("| ") and not line.startswith("| config"))}
+    assert table["combiner"][1] == "1.05x (004)" and table["combiner"][2] == "0.75x" and table["combiner"][3] == "15.0%"
+    assert table["indexer"][2] == "out of memory" and table["indexer"][1] == "– (goal 0.8x)"
+    assert table["asga"][2] == "not yet run" and table["asga"][1] == "0.92x (003)"
+    assert "commit abc1234" in lines[2] and "200.0k tokens/s" in lines[2]
+
+
 def test_committed_results_md_is_regenerated_from_committed_logs():
     """Every number in RESULTS.md comes from the committed run logs: rewriting it from
     experiments/results/ gives the committed file, byte for byte."""
