@@ -773,29 +773,37 @@ def tokenize_to_shards(docs, out_dir, prefix, shard_tokens, val_tokens, max_toke
     budget = max_tokens if max_tokens is not None else float("inf")
     bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing into {out_dir}")
     with Pool(workers or os.cpu_count()) as pool:
-        stream = _encoded(pool, docs, tokenizer)
-        # Validation first: whole documents until the limit.
-        for tokens in _encoded(pool, val_docs, tokenizer) if val_docs is not None else stream:
-            take = min(len(tokens), val_tokens - writer.fill)
-            writer.buf[writer.fill: writer.fill + take] = tokens[:take]
-            writer.fill += take
-            bar.update(take)
-            if writer.fill == val_tokens:
-                break
-        if writer.fill == 0:
-            raise ShardError("no documents to tokenize; check --source (and --val_source)")
-        val_written = writer.fill
-        writer.flush("val")
-        writer.buf = np.empty(shard_tokens, tok.dtype)
-        writer.shard_tokens, budget = shard_tokens, budget - val_written
-        for tokens in stream:
-            tokens = tokens[: int(min(len(tokens), budget))]
-            writer.add(tokens)
-            budget -= len(tokens)
-            bar.update(len(tokens))
-            if budget <= 0:
-                break
-        writer.flush("train")
+        try:
+            stream = _encoded(pool, docs, tokenizer)
+            # Validation first: whole documents until the limit.
+            for tokens in _encoded(pool, val_docs, tokenizer) if val_docs is not None else stream:
+                take = min(len(tokens), val_tokens - writer.fill)
+                writer.buf[writer.fill: writer.fill + take] = tokens[:take]
+                writer.fill += take
+                bar.update(take)
+                if writer.fill == val_tokens:
+                    break
+            if writer.fill == 0:
+                raise ShardError("no documents to tokenize; check --source (and --val_source)")
+            val_written = writer.fill
+            writer.flush("val")
+            writer.buf = np.empty(shard_tokens, tok.dtype)
+            writer.shard_tokens, budget = shard_tokens, budget - val_written
+            for tokens in stream:
+                tokens = tokens[: int(min(len(tokens), budget))]
+                writer.add(tokens)
+                budget -= len(tokens)
+                bar.update(len(tokens))
+                if budget <= 0:
+                    break
+            writer.flush("train")
+        finally:
+            # Leaving the loops early leaves documents in flight; Pool.__exit__'s terminate()
+            # with tasks still queued can hang for ever joining the pool's task-handler thread
+            # (seen once in the test suite). close() and join() let them finish (at most two
+            # blocks of _encoded's documents) and the workers exit on their own.
+            pool.close()
+            pool.join()
     bar.close()
     if writer.written == val_written:
         raise ShardError(
