@@ -764,7 +764,7 @@ def results_markdown(out, md_dir):
     L += text_section(stats, link)
     L += position_section(stats, link)
     L += paper_section(stats)
-    L += gpu_speed_section(link)
+    L += gpu_speed_section(link, md_dir / "benchmarks" / "gpu_runs")  # the checkout RESULTS.md is in
     L += later_baselines_section(stats, rec)
     L += scale_section(windows, rec, out, stats)
     L += pretrained.section(out / "pretrained", link)
@@ -914,10 +914,9 @@ def paper_section(stats):
 # This project's goals for the variants the seeds give no speed for (tokens/s relative to
 # `full` on a GPU at qwen-134m, T = 1024).
 GPU_SPEED_GOALS = {"moba": "0.9x", "nsa": "0.8x", "indexer": "0.8x"}
-GPU_RUNS = ROOT / "benchmarks" / "gpu_runs"
 
 
-def gpu_speed_section(link, runs=GPU_RUNS):
+def gpu_speed_section(link, runs):
     """The seeds' tokens/s relative to their baselines beside ours on a GPU: the newest
     committed gpu_check training rows (`benchmarks/gpu_runs/*/training.json`), each relative
     to `full`'s on the same card; a configuration the run did not reach is "not yet run"."""
