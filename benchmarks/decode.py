@@ -185,7 +185,7 @@ def table(rows, args, bandwidth):
 
             def rel(value, key, fn=statistics.median):
                 return f"{value / fn(base[key]):.2f}" if base else "-"
-            out.append(f"| {name} | {T} | {r['prefill_s']:.2f} | {rel(r['prefill_s'], 'prefill_s', lambda x: x)} "
+            out.append(f"| {name} | {T} | {r['prefill_s']:.3g} | {rel(r['prefill_s'], 'prefill_s', lambda x: x)} "
                        f"| {one:.1f} ({spread(r['decode_ms'])}) | {rel(one, 'decode_ms')} "
                        f"| {many:.1f} ({spread(r['decode_batch_ms'])}) | {rel(many, 'decode_batch_ms')} "
                        f"| {r['cache_bytes_per_layer'] / MB:.1f} | {r['reads_per_layer'] / MB:.2f} "
@@ -252,7 +252,7 @@ def main(argv=None):
                         torch.cuda.empty_cache()
             r = rows[T, name]
             print(f"  T={T} {name}: " + (r["skipped"] if "skipped" in r else
-                  f"prefill {r['prefill_s']:.2f} s, decode {statistics.median(r['decode_ms']):.1f} ms, batch "
+                  f"prefill {r['prefill_s']:.3g} s, decode {statistics.median(r['decode_ms']):.1f} ms, batch "
                   f"{args.batch} {statistics.median(r['decode_batch_ms']):.1f} ms"), flush=True)
             with open(args.out, "w") as f:
                 json.dump(dict(settings=settings, rows=list(rows.values())), f, indent=1)
