@@ -280,6 +280,11 @@ class Model(nn.Module):
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos.to(x.dtype), sin.to(x.dtype), start, None if cache is None else cache[i])
+        return self.head_and_loss(x, targets)
+
+    def head_and_loss(self, x, targets=None):
+        """The last norm, the head's float32 logits (B, T, V) and their mean cross-entropy with
+        targets (None without)."""
         logits = self.lm_head(self.norm(x)).float()
         loss = None
         if targets is not None:
@@ -322,13 +327,17 @@ def compile_blocks(model, **compile_kwargs):
     every layer reuses that graph (a second one for moba_full_last's full-attention layers):
     the trace, the backward and inductor's lowering are done for one layer, not n_layer times
     over as under torch.compile(model). benchmarks/compile_time.py measures both side by side.
-    The embedding, the last norm, the head and the loss, a few large kernels, run eagerly.
+    The tail (`head_and_loss`: the last norm, the head, the float32 logits and the
+    cross-entropy) is compiled on its own: run eagerly, the cast and the loss's softmax made
+    several passes over (B, T, V) logits (3.3 GB in float32 at qwen-134m's 16 x 1024 batch), a
+    cost every variant pays, which inductor fuses. The embedding runs eagerly.
 
     The view shares every parameter and buffer with `model`, which stays uncompiled: its state
     dict (checkpoints), its gate recording and evaluations at other lengths run eagerly."""
     view = copy.copy(model)
     view._modules = dict(model._modules)  # its own table of submodules, holding the same modules
     view.layers = nn.ModuleList([torch.compile(layer, **compile_kwargs) for layer in model.layers])
+    view.head_and_loss = torch.compile(model.head_and_loss, **compile_kwargs)
     return view
 
 

@@ -17,8 +17,9 @@ has no backward), both traced in the first forward call, which is what is timed:
 a forward alone, run eagerly from those graphs with FlexAttention as its dense CPU reference
 (hence the small T), which has no backward for the gates that asga's and caa's score_mods
 capture. The graphs column counts the graphs dynamo traced:
-one for the whole model, one per block class for compile_blocks (moba_full_last adds a second);
-compile_blocks traces one layer where torch.compile(model) traces n_layer of them.
+one for the whole model; for compile_blocks one per block class (moba_full_last adds a second)
+and one for the tail (the last norm, the head and the loss); compile_blocks traces one layer
+where torch.compile(model) traces n_layer of them.
 """
 import argparse
 import os

@@ -362,7 +362,8 @@ def test_compile_blocks_traces_one_layer_for_all(attn, overrides, graphs):
     """model.compile_blocks (train.py's compile): dynamo traces Block.forward once and all
     n_layer blocks reuse that graph, one per block class (moba_full_last's full layers: a
     second); each graph holds one layer's 7 projections (q, k, v, o, gate, up, down), not the
-    whole model's. The view trains the same weights to the same loss and gradients as the
+    whole model's; the tail (norm, head, loss) is one more graph, with the head's projection.
+    The view trains the same weights to the same loss and gradients as the
     eager model, which itself stays uncompiled, with the same state dict."""
     from model import compile_blocks
     model = make_model(attn, n_layer=3, **overrides).train()
@@ -383,7 +384,7 @@ def test_compile_blocks_traces_one_layer_for_all(attn, overrides, graphs):
         losses.append(loss.item())
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
-    assert traced == [7] * graphs, traced
+    assert traced == [7] * graphs + [1], traced
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
     assert all(a is b for a, b in zip(model.parameters(), view.parameters()))
