@@ -348,11 +348,16 @@ def test_cached_decoding_equals_the_forward():
     assert rel(torch.cat(steps, 1), full) < 1e-4
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("q_start", [0, 37])
-def test_selected_attention_paths_equal_the_reference(q_start):
-    """The core op alone, on random selections (with empty slots), after cached keys too:
-    blockwise outputs and q, k, v gradients in several chunks; flex outputs (FlexAttention,
+def test_selected_attention_paths_equal_the_reference(q_start, dense, monkeypatch):
+    """The core op alone, on random selections (with empty slots, a query listing nothing and
+    one listing only a future key), after cached keys too: blockwise outputs and q, k, v
+    gradients in several chunks, gathered and dense (SDPA under a mask of the listed keys,
+    which the blockwise path takes while queries see few keys); flex outputs (FlexAttention,
     eager)."""
+    monkeypatch.setattr(kernels, "SELECTED_DENSE", 10 ** 9 if dense else 0)
+    monkeypatch.setattr(kernels, "SELECTED_MASK", 8 * (q_start + 45))  # 8 queries per dense chunk
     g = torch.Generator().manual_seed(4)
     B, H, Hkv, T, D, n = 2, 4, 2, 45, 8, 7
     S = q_start + T
@@ -363,6 +368,8 @@ def test_selected_attention_paths_equal_the_reference(q_start):
     scores = scores.masked_fill(~attention.allowed(T, S, q_start, 0, "cpu"), float("-inf"))
     keys = attention.top_keys(scores, n)
     assert (keys < 0).any() or q_start > 0
+    keys[0, 3] = -1  # lists nothing: gets 0
+    keys[1, 4] = torch.tensor([q_start + 6] + [-1] * (n - 1))  # only a later key (of its chunk): gets 0
     cot = torch.randn(B, H, T, D, generator=g)
     ref = attention.selected_attention(q, k, v, 0.3, q_start, 0, keys)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
