@@ -308,7 +308,7 @@ def training_rows(shape, device, dtype, compile_model, configs=None, deadline=No
     for name, flags in configs or CONFIGS:
         row = dict(config=name, T=T, batch=B, steps=steps)
         if deadline is not None and deadline - time.time() < need_s:
-            row["error"] = shown = f"skipped: {deadline - time.time():.0f} s left of the budget, needs ~{need_s} s"
+            row["error"] = shown = f"skipped: {deadline - time.time():.0f} s left of the budget, needs ~{need_s:.0f} s"
             rows.append(row)
             save()
             print(f"training  {name:14s} T={T:5d} {shown}", flush=True)
@@ -456,6 +456,9 @@ def main(argv=None):
                         "compile s, top kernels and time over SDPA per variant at T = 4096 and 16384, then training")
     parser.add_argument("--dry_run", action="store_true", help="--profile at the tiny shape (any device, seconds)")
     parser.add_argument("--budget_s", type=float, help="--profile's time budget in seconds (default 480 on a GPU)")
+    parser.add_argument("--row_s", type=float, default=120, help="--profile: a training row starts only with this "
+                        "many seconds of the budget left (its compile and steps; a row cut short by a timeout "
+                        "loses only itself: rows are saved as they finish)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -498,7 +501,7 @@ def main(argv=None):
             profile_rows(shape, device, dtype, deadline, result, save, backend="inductor" if device == "cuda" else None)
         if "training" not in skip:
             training_rows(shape, device, dtype, compile_model=device == "cuda", configs=PROFILE_CONFIGS,
-                          deadline=deadline, rows=result.setdefault("training", []), save=save)
+                          deadline=deadline, need_s=args.row_s, rows=result.setdefault("training", []), save=save)
         skip |= {"tests", "attention", "training"}
     if "tests" not in skip:
         result["tests"] = run_tests(device)

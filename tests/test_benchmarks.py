@@ -157,6 +157,22 @@ def test_gpu_check_profile_dry_run(tmp_path):
     assert "skipped" in (tmp_path / "none.md").read_text()
 
 
+def test_gpu_check_row_s_sets_what_a_training_row_needs_left(tmp_path):
+    """--profile's training rows start only with --row_s seconds of the budget left: at 200 of a
+    100 s budget the row is skipped and says it needs ~200 s; at 1 it runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rows = {}
+    for row_s in (200, 1):
+        out = tmp_path / f"r{row_s}.json"
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--budget_s=100",
+                            f"--row_s={row_s}", "--skip=attention", "--only=full", f"--out={out}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        rows[row_s], = json.loads(out.read_text())["training"]
+    assert rows[200]["error"].startswith("skipped") and "needs ~200" in rows[200]["error"], rows[200]
+    assert rows[1]["tok_s"] > 0, rows[1]
+
+
 def test_gpu_check_frees_a_failed_configuration_before_the_next(monkeypatch):
     """A training row that fails in its step (on an H100: the indexer out of memory) must not
     keep its model and optimizer alive into the next configuration, whose preflight then ran
