@@ -761,7 +761,7 @@ def results_markdown(out, md_dir):
     L += recall_section(rec, out, link)
     L += recall_grid.section(out / "recall_grid", link)
     L += window_section(windows, stats.get("full"), link)
-    L += text_section(stats, link)
+    L += text_section(stats, link, cost_commit(out))
     L += position_section(stats, link)
     L += paper_section(stats)
     L += gpu_speed_section(link, md_dir / "benchmarks" / "gpu_runs")  # the checkout RESULTS.md is in
@@ -853,7 +853,16 @@ def window_section(windows, full, link):
     return L + [""]
 
 
-def text_section(stats, link):
+def cost_commit(out):
+    """The commit the cost runs ran at (`full`'s run records it), None before they have run."""
+    path = Path(out, "cost", "full", "config.json")
+    return (json.loads(path.read_text()).get("git_commit") or "")[:7] or None if path.exists() else None
+
+
+def text_section(stats, link, commit=None):
+    since = (f" The cost runs ran at commit {commit}; kernel changes since then are timed side by side "
+             f"in [benchmarks/train_step_regression.md]({link(ROOT / 'benchmarks' / 'train_step_regression.md')})."
+             if commit else "")
     L = ["## Every configuration: paired difference from `full`", "",
          "Final validation loss (nats per byte); Δ per seed and mean ± 95% half-width. Cost: tok/s "
          f"(median per-step throughput, step 1 left out) and peak memory (train.py's mem_gb: CPU "
@@ -861,7 +870,7 @@ def text_section(stats, link):
          f"configuration at seed 0, all run back to back on one thread by `python "
          f"experiments/sweep.py --only=cost` (a cost still to run shows –). This is the cost of the "
          f"CPU kernels (kernels.BLOCKWISE) at T = {TEXT['seq_len']}, not GPU speed: "
-         f"`benchmarks/attention.py` is that.", "",
+         f"`benchmarks/attention.py` is that.{since}", "",
          "| config | flags | seeds | val loss | Δ per seed | Δ vs full | tok/s vs full | peak mem vs full |",
          "|---|---|---|---|---|---|---|---|"]
     for name, attn, flags in TEXT_CONFIGS:

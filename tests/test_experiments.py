@@ -264,6 +264,18 @@ def test_gpu_speed_section_divides_by_full_on_the_same_card(tmp_path):
     assert "commit abc1234" in lines[2] and "200.0k tokens/s" in lines[2]
 
 
+def test_the_cost_columns_name_the_commit_they_ran_at(tmp_path):
+    """The CPU cost columns are one back-to-back sitting of runs: the text says at which commit
+    (`full`'s cost run records it), so later kernel changes are not read into them."""
+    assert sweep.cost_commit(tmp_path) is None
+    run = tmp_path / "cost" / "full"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"git_commit": "abc1234def"}))
+    assert sweep.cost_commit(tmp_path) == "abc1234"
+    text = "\n".join(sweep.text_section({name: None for name, *_ in sweep.TEXT_CONFIGS}, str, "abc1234"))
+    assert "The cost runs ran at commit abc1234" in text
+
+
 def test_committed_results_md_is_regenerated_from_committed_logs():
     """Every number in RESULTS.md comes from the committed run logs: rewriting it from
     experiments/results/ gives the committed file, byte for byte."""
