@@ -1075,9 +1075,10 @@ def _dense_selected_attention(q, k, v, scale, off, keys):
         slot = torch.where((listed >= 0) & (listed < last), listed, last)  # else a spare column, dropped
         ok = torch.zeros(B, t1 - t0, last + 1, dtype=torch.bool, device=q.device).scatter_(-1, slot, True)[..., :last]
         own = off + torch.arange(t0, t1, device=q.device)[:, None]  # each query's own key index
-        ok &= torch.arange(last, device=q.device) <= own
+        cols = torch.arange(last, device=q.device)
+        ok &= cols <= own
         some = ok.any(-1, keepdim=True)  # (B, c, 1)
-        ok |= ~some & (torch.arange(last, device=q.device) == own)
+        ok |= ~some & (cols == own)
         o = F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :last], v[:, :, :last], attn_mask=ok[:, None],
                                            scale=scale, enable_gqa=H != k.shape[1])
         out.append(o * some[:, None].to(o.dtype))

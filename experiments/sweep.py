@@ -856,7 +856,9 @@ def window_section(windows, full, link):
 def cost_commit(out):
     """The commit the cost runs ran at (`full`'s run records it), None before they have run."""
     path = Path(out, "cost", "full", "config.json")
-    return (json.loads(path.read_text()).get("git_commit") or "")[:7] or None if path.exists() else None
+    if not path.exists():
+        return None
+    return (json.loads(path.read_text()).get("git_commit") or "")[:7] or None
 
 
 def text_section(stats, link, commit=None):
