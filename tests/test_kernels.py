@@ -723,3 +723,40 @@ def test_recorded_gate_statistics_stay_within_the_fused_memory():
     s = torch.sigmoid(attention.pair_gate_logit(*module.pair_terms(q[:, :, -3:], k), module.w2, module.b2))
     expected = torch.stack([s[0, :, i, :T - 3 + i + 1].mean(-1) for i in range(3)])  # (3, H)
     assert torch.allclose(gate[0, -3:], expected, atol=1e-5)
+
+
+def _top_n_rows(kind, shape, n, g):
+    """Scores that stress a top-n's tie rule: normal, a few integers (ties wider than n),
+    a causal -inf tail, no finite score, -0.0 beside 0.0, fewer finite scores than n."""
+    x = torch.randn(*shape, generator=g)
+    if kind == "ties":
+        x = torch.randint(-3, 3, shape, generator=g).float()
+    elif kind == "tail":
+        x[..., shape[-1] // 3:] = float("-inf")
+    elif kind == "no finite":
+        x = torch.full(shape, float("-inf"))
+    elif kind == "signed zeros":
+        x = torch.zeros(shape)
+        x[..., ::2] = -0.0
+    elif kind == "fewer than n":
+        x[..., n // 2:] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "tail", "no finite", "signed zeros", "fewer than n"])
+@pytest.mark.parametrize("shape,n", [((3, 5, 4096), 256), ((2, 7, 300), 8), ((5, 1000), 3)])
+def test_narrowed_top_n_is_attention_top_n(kind, shape, n):
+    """kernels._top_n_narrowed (a CPU's top-n of long rows: candidates first, then a top-n of
+    them) returns attention.top_n exactly: the same indices in the same order, ties to the
+    higher index, -1 for -inf; and _top_n takes it for a large call of long rows."""
+    x = _top_n_rows(kind, shape, n, torch.Generator().manual_seed(len(kind)))
+    assert torch.equal(kernels._top_n_narrowed(x, n), attention.top_n(x, n))
+    assert torch.equal(kernels._top_n(x, n), attention.top_n(x, n))
+
+
+def test_top_n_narrows_large_cpu_calls_of_long_rows(monkeypatch):
+    taken = []
+    monkeypatch.setattr(kernels, "_top_n_narrowed", lambda s, n: taken.append(s.shape) or attention.top_n(s, n))
+    kernels._top_n(torch.randn(64, kernels.TOP_N_NARROWED_CALL // 64), 8)
+    kernels._top_n(torch.randn(2, 100), 8)  # a decoding step's few scores: the plain top-k
+    assert taken == [(64, kernels.TOP_N_NARROWED_CALL // 64)]
