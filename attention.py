@@ -388,6 +388,10 @@ class CausalSelfAttention(nn.Module):
         once its last position arrives."""
         return None
 
+    # whether the KV cache stores this layer's summaries with the positions as the fastest-moving
+    # dim on a CPU (model.Rows), for a decoding kernel that reads them along the keys
+    keys_last_summaries = False
+
     def observe(self, q, k, v, x, q_start, k_start, summary):
         """While recording (`record_gates`), after `attend`: note what analysis reads of this
         forward (gates, selections), from the same stages `attend` ran on the same inputs."""
@@ -703,6 +707,8 @@ class ASGAttention(CausalSelfAttention):
     def summary_window(self):
         # the learned gate's per-key term, one per key: a decoding step computes its own key's only
         return (1, 1) if self.cfg.asga_gate == "learned" else None
+
+    keys_last_summaries = True  # the compiled decoding gate reads the per-key terms along the keys
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         if self.cfg.asga_scale:

@@ -104,10 +104,20 @@ class Rows:
     rows are dropped as it rolls, stays within twice the window (nanochat's KVCache and Hugging
     Face's static cache preallocate the same way, for a known maximum length)."""
 
-    def __init__(self):
+    def __init__(self, keys_last=False):
         self.data = None  # (..., capacity, X)
         self.lo = self.hi = 0  # rows lo .. hi - 1 of data hold positions start .. end - 1
         self.start = 0
+        # On a CPU, store the positions as the fastest-moving dim ((..., X, capacity) in memory,
+        # the same (..., capacity, X) tensor to every reader): for a summary a kernel reads along
+        # the keys (asga's per-key gate term, `keys_last_summaries`)
+        self.keys_last = keys_last
+
+    def _zeros(self, like, rows):
+        """Zeros (..., rows, X) on like's device and dtype, laid out as `keys_last` says."""
+        if self.keys_last and like.device.type == "cpu":
+            return like.new_zeros(*like.shape[:-2], like.shape[-1], rows).transpose(-2, -1)
+        return like.new_zeros(*like.shape[:-2], rows, like.shape[-1])
 
     @property
     def end(self):
@@ -123,7 +133,7 @@ class Rows:
         n = x.shape[-2]
         if self.data is None or self.hi + n > self.data.shape[-2]:
             held = self.view()
-            data = x.new_zeros(*x.shape[:-2], 2 * (len(self) + n), x.shape[-1])
+            data = self._zeros(x, 2 * (len(self) + n))
             if held is not None:
                 data[..., :len(self), :] = held
             self.data, self.lo, self.hi = data, 0, len(self)
@@ -144,7 +154,8 @@ class Rows:
         """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
         if self.data is not None:
             held = self.view().repeat_interleave(n, dim=0)
-            self.data = torch.cat([held, torch.zeros_like(held)], dim=-2)
+            self.data = self._zeros(held, 2 * held.shape[-2])
+            self.data[..., :held.shape[-2], :] = held
             self.lo, self.hi = 0, held.shape[-2]
 
     def nbytes(self):
@@ -214,7 +225,7 @@ class KVCache:
                                   self.v.view()[:, :, k0:k0 + last - first], x_w, first)
             new = new if isinstance(new, tuple) else (new,)
             if self.summaries is None:
-                self.summaries = tuple(Rows() for _ in new)
+                self.summaries = tuple(Rows(keys_last=layer.keys_last_summaries) for _ in new)
             for rows, s in zip(self.summaries, new):
                 rows.append(s)
             for rows in self.pending:  # keep the inputs of the windows still incomplete

@@ -9,7 +9,10 @@ after under the same machine load.
 Each checkout's model.py, attention.py and kernels.py are imported apart (train_step_ab.load);
 its model is built with decode.py's settings (2 layers of qwen-134m widths, vocab 256, float32,
 kernel='fused', one thread) and driven only through `new_cache()` and `model(idx, cache=...)`,
-which every checkout has. Per T and variant, the checkouts run one after the other.
+which every checkout has. Per T and variant, every checkout prefills (one after the other),
+then their decoding steps take turns (--rounds rounds of --steps / --rounds steps each, at
+batch 1, then at --batch), each checkout's median over all its steps: a drift of the
+machine's speed between runs (30% here) falls on both sides alike.
 """
 import argparse
 import os
@@ -24,9 +27,8 @@ from decode import clock, decode_steps  # noqa: E402
 from train_step_ab import load  # noqa: E402
 
 
-def run(models, attn, T, steps, batch):
-    """(prefill s, median decode ms at batch 1, at `batch`) of `attn` at T; the last None where
-    batch is 1 or the checkout's cache cannot repeat its batch (before KVCache.repeat_batch)."""
+def prefill(models, attn, T):
+    """(model, cache, prefill s) of `attn` at T for one checkout."""
     cfg = models.ModelConfig(**dict(models.PRESETS["qwen-134m"], n_layer=2, vocab_size=256, attn=attn,
                                     kernel="fused"))
     torch.manual_seed(0)
@@ -36,13 +38,38 @@ def run(models, attn, T, steps, batch):
         cache = model.new_cache()
         t0 = clock("cpu")
         model(idx, cache=cache)
-        prefill = clock("cpu") - t0
-        one = 1e3 * statistics.median(decode_steps(model, cache, 1, steps, "cpu"))
-        if batch == 1 or not all(hasattr(layer, "repeat_batch") for layer in cache):
-            return prefill, one, None
-        for layer in cache:
-            layer.repeat_batch(batch)
-        return prefill, one, 1e3 * statistics.median(decode_steps(model, cache, batch, steps, "cpu"))
+        return model, cache, clock("cpu") - t0
+
+
+def interleaved(held, steps, rounds, batch):
+    """{label: median ms} of one-token steps at this batch, the checkouts taking turns: `rounds`
+    rounds of steps / rounds steps each, so that a drift of the machine's speed (30% between
+    runs here) falls on every checkout alike."""
+    times = {label: [] for label in held}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for label, (model, cache) in held.items():
+                times[label] += decode_steps(model, cache, batch, max(1, steps // rounds), "cpu")
+    return {label: 1e3 * statistics.median(t) for label, t in times.items()}
+
+
+def run(models, attn, T, steps, batch, rounds=1):
+    """{label: (prefill s, median decode ms at batch 1, at `batch`)} of `attn` at T, every
+    checkout prefilled, then their steps interleaved (`interleaved`); the last None where batch
+    is 1 or a checkout's cache cannot repeat its batch (before KVCache.repeat_batch)."""
+    held, prefills = {}, {}
+    for label, m in models.items():
+        model, cache, prefills[label] = prefill(m, attn, T)
+        held[label] = (model, cache)
+        print(f"  T={T} {attn} {label}: prefill {prefills[label]:.2f} s", flush=True)
+    one = interleaved(held, steps, rounds, 1)
+    many = dict.fromkeys(held)
+    if batch > 1 and all(hasattr(layer, "repeat_batch") for _, cache in held.values() for layer in cache):
+        for _, cache in held.values():
+            for layer in cache:
+                layer.repeat_batch(batch)
+        many = interleaved(held, steps, rounds, batch)
+    return {label: (prefills[label], one[label], many[label]) for label in held}
 
 
 def main(argv=None):
@@ -53,6 +80,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=1, help="also decode at this batch (the cache repeated)")
+    p.add_argument("--rounds", type=int, default=5, help="the checkouts' decoding steps taken in turns, this many rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     trees = [c.split("=", 1) for c in args.checkouts]
@@ -63,10 +91,10 @@ def main(argv=None):
     rows = {}
     for T in (int(t) for t in args.lengths.split(",")):
         for attn in variants:
-            for label, _ in trees:
-                rows[T, attn, label] = run(models[label], attn, T, args.steps, args.batch)
-                print(f"  T={T} {attn} {label}: prefill {rows[T, attn, label][0]:.2f} s, "
-                      f"decode {rows[T, attn, label][1]:.1f} ms", flush=True)
+            for label, row in run(models, attn, T, args.steps, args.batch, args.rounds).items():
+                rows[T, attn, label] = row
+                print(f"  T={T} {attn} {label}: decode {row[1]:.1f} ms" + (f", batch {args.batch} {row[2]:.1f} ms"
+                                                                          if row[2] else ""), flush=True)
     wide = f" decode ms, batch {args.batch} | x full | / first checkout's |" if args.batch > 1 else ""
     print(f"\n| variant | T | checkout | prefill s | x full | decode ms | x full | decode / first checkout's |{wide}")
     print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * bool(wide))

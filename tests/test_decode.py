@@ -206,3 +206,22 @@ def test_a_decoded_top_k_keeps_every_key_tied_with_the_kth():
     ref = attention.topk_attention(q, k, v, 0.3, S - 2, 0, k_per_query, 7)
     out = kernels.DECODE.topk_attention(q, k, v, 0.3, S - 2, 0, k_per_query, 7)
     assert (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("keys_last", [False, True])
+def test_rows_keep_their_values_in_either_layout(keys_last):
+    """model.Rows grown past its capacity, rolled and repeated along the batch holds the rows
+    appended, whichever layout it stores (keys_last: positions the fastest-moving dim, on a
+    CPU), and says which through its strides."""
+    from model import Rows
+
+    rows, g = Rows(keys_last=keys_last), torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 25, 4, generator=g)
+    for t0, t1 in [(0, 7), (7, 8), (8, 20), (20, 25)]:  # the buffer grows twice
+        rows.append(x[:, :, t0:t1])
+    assert torch.equal(rows.view(), x)
+    rows.drop_before(5)
+    assert torch.equal(rows.view(), x[:, :, 5:]) and rows.start == 5
+    rows.repeat_batch(2)
+    assert torch.equal(rows.view(), x[:, :, 5:].repeat_interleave(2, dim=0))
+    assert (rows.view().stride(-2) == 1) == keys_last and (rows.view().stride(-1) == 1) != keys_last

@@ -98,3 +98,29 @@ def test_each_cpu_capability_compiles_into_its_own_cache():
     assert dirs["default"].endswith("-default") and dirs["avx2"].endswith("-avx2"), dirs
     assert dirs["default"][:-len("default")] == dirs["avx2"][:-len("avx2")]  # beside each other
     assert cache_dir(ATEN_CPU_CAPABILITY="avx2", TORCHINDUCTOR_CACHE_DIR="/tmp/mine") == "/tmp/mine"
+
+
+def test_decoding_through_the_compiled_gate_equals_reference(compiled):
+    """A decoding step's gate (kernels.decode_pair_gated_attention) through the compiled tile,
+    over the per-key terms the cache keeps along the keys (model.Rows, keys_last): a prefill
+    then one-token steps, at batch 1 and then with the cache repeated to batch 3, give the
+    reference's uncached logits."""
+    from test_kernels import tiny_model
+
+    idx = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = tiny_model("asga", "ref")(idx)
+        model = tiny_model("asga", "fused")
+        cache = model.new_cache()
+        got = [model(idx[:, :60], cache=cache)[0]]
+        got += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(60, 80)]
+        term = cache[0].summaries[0].view()
+        assert term.stride(-2) == 1, "asga's per-key terms are stored along the keys"
+        for layer in cache:
+            layer.repeat_batch(3)
+        batched = [model(idx[:, t:t + 1].expand(3, 1), cache=cache)[0] for t in range(80, 90)]
+    assert GateTile.path == "compiled (torch.compile)"
+    got = torch.cat(got, 1)
+    assert (got - want[:, :80]).abs().max() < 1e-4 * want.abs().max()
+    for b in range(3):
+        assert (torch.cat(batched, 1)[b] - want[0, 80:]).abs().max() < 1e-4 * want.abs().max()
