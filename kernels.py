@@ -2169,8 +2169,10 @@ def decode_selected_attention(q, k, v, scale, q_start, k_start, keys):
 def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):
     """(B, H, T, C) float32: attention.compressed_probs, the compressed keys read once per key head."""
     T, C = q.shape[2], k_cmp.shape[2]
-    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
-    seen = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C): complete by then
+    seen = None  # every query sees every compressed key cached (a one-token step): no mask
+    if not 0 < C or (C - 1) * stride + length - 1 > q_start:
+        q_pos = q_start + torch.arange(T, device=q.device)[:, None]
+        seen = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C): complete by then
     return _softmax_or_zero(_decode_logits(q, k_cmp, scale), seen)
 
 
