@@ -1243,16 +1243,19 @@ def _index_scores(q_idx, k_idx, w, q_start, k_start):
     return scores.masked_fill_(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
 
 
-# _top_n on a CPU narrows rows of at least TOP_N_NARROWED x n scores first, in calls of at
-# least TOP_N_NARROWED_CALL scores (below, the narrowing's few passes cost more than they save)
+# _top_n(narrow=True) on a CPU narrows rows of at least TOP_N_NARROWED x n scores first, in
+# calls of at least TOP_N_NARROWED_CALL scores (below, the narrowing's few passes cost more
+# than they save). The CPU's sets ask for it (BLOCKWISE, DECODE); FLEX's never does, so that
+# the GPU path run on CPU tensors (benchmarks/gpu_cost.py) dispatches what it does on a GPU.
 TOP_N_NARROWED, TOP_N_NARROWED_CALL = 8, 1 << 17
 
 
-def _top_n(scores, n, narrow=True):
+def _top_n(scores, n, narrow=False):
     """attention.top_n: each row's n highest scores' indices, highest first, ties to the higher
     index, -1 where the score is -inf; one top-k over the same (score, index) key, built in
     place in one int64 buffer (each fresh buffer of the size of the scores costs a pass).
-    On a CPU, rows much longer than n are first narrowed to their candidates (`_top_n_narrowed`)."""
+    narrow: on a CPU, rows much longer than n are first narrowed to their candidates
+    (`_top_n_narrowed`)."""
     S = scores.shape[-1]
     if narrow and scores.device.type == "cpu" and S >= TOP_N_NARROWED * n and scores.numel() >= TOP_N_NARROWED_CALL:
         return _top_n_narrowed(scores, n)
@@ -1303,20 +1306,21 @@ def chunked_top_n(scores, n):
     flat = scores.reshape(-1, scores.shape[-1])
     step = max(1, TOP_N_ELEMENTS // max(1, flat.shape[-1]))
     if step >= flat.shape[0]:
-        return _top_n(scores, n)
-    return torch.cat([_top_n(flat[r:r + step], n) for r in range(0, flat.shape[0], step)]).view(*scores.shape[:-1], n)
+        return _top_n(scores, n, narrow=True)
+    return torch.cat([_top_n(flat[r:r + step], n, narrow=True)
+                      for r in range(0, flat.shape[0], step)]).view(*scores.shape[:-1], n)
 
 
 @torch.no_grad()
-def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
+def chunked_indexer_topk(q_idx, k_idx, w, q_start, k_start, n, narrow=False):
     """attention.indexer_topk a chunk of queries at a time (`INDEX_SCORES`): the (B, T, J, S)
     scores never exist at once, and a chunk scores only the keys up to its last query (the
-    later ones it cannot see: half of the causal square)."""
+    later ones it cannot see: half of the causal square). narrow: `_top_n`'s (BLOCKWISE's)."""
     B, T, J, _ = q_idx.shape
     S = k_idx.shape[1]
     chunks = query_chunks(T, B * J * S, INDEX_SCORES, q_idx.device)
     return torch.cat([_top_n(_index_scores(q_idx[:, t0:t1], k_idx[:, :q_start + t1 - k_start], w[:, t0:t1],
-                                           q_start + t0, k_start), min(n, S)) for t0, t1 in chunks], dim=1)
+                                           q_start + t0, k_start), min(n, S), narrow) for t0, t1 in chunks], dim=1)
 
 
 def _kl_chunk(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
@@ -1377,7 +1381,7 @@ BLOCKWISE = Ops(
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
     selected_attention=blockwise_selected_attention, compressed_branch=blockwise_compressed_branch,
-    indexer_topk=chunked_indexer_topk, indexer_kl=chunked_indexer_kl,
+    indexer_topk=functools.partial(chunked_indexer_topk, narrow=True), indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n)
 
 
@@ -2193,7 +2197,7 @@ def decode_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bl
 def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     """attention.indexer_topk: the lightning scores of every cached indexer key (eq. 1 reads
     them all), then a top-n selection (`_top_n`)."""
-    return _top_n(_lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]))
+    return _top_n(_lightning_scores(q_idx, k_idx, w, q_start, k_start), min(n, k_idx.shape[1]), narrow=True)
 
 
 DECODE = Ops(

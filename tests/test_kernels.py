@@ -748,15 +748,19 @@ def _top_n_rows(kind, shape, n, g):
 def test_narrowed_top_n_is_attention_top_n(kind, shape, n):
     """kernels._top_n_narrowed (a CPU's top-n of long rows: candidates first, then a top-n of
     them) returns attention.top_n exactly: the same indices in the same order, ties to the
-    higher index, -1 for -inf; and _top_n takes it for a large call of long rows."""
+    higher index, -1 for -inf; and _top_n(narrow=True) takes it for a large call of long rows."""
     x = _top_n_rows(kind, shape, n, torch.Generator().manual_seed(len(kind)))
     assert torch.equal(kernels._top_n_narrowed(x, n), attention.top_n(x, n))
-    assert torch.equal(kernels._top_n(x, n), attention.top_n(x, n))
+    assert torch.equal(kernels._top_n(x, n, narrow=True), attention.top_n(x, n))
 
 
 def test_top_n_narrows_large_cpu_calls_of_long_rows(monkeypatch):
     taken = []
     monkeypatch.setattr(kernels, "_top_n_narrowed", lambda s, n: taken.append(s.shape) or attention.top_n(s, n))
-    kernels._top_n(torch.randn(64, kernels.TOP_N_NARROWED_CALL // 64), 8)
-    kernels._top_n(torch.randn(2, 100), 8)  # a decoding step's few scores: the plain top-k
+    large = torch.randn(64, kernels.TOP_N_NARROWED_CALL // 64)
+    kernels._top_n(large, 8, narrow=True)
+    kernels._top_n(large, 8)  # FLEX's (the GPU path's, even on CPU tensors): never narrowed
+    kernels._top_n(torch.randn(2, 100), 8, narrow=True)  # a decoding step's few scores: the plain top-k
     assert taken == [(64, kernels.TOP_N_NARROWED_CALL // 64)]
+    assert kernels.BLOCKWISE.indexer_topk.keywords == {"narrow": True}
+    assert kernels.FLEX.indexer_topk is kernels.chunked_indexer_topk
