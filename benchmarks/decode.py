@@ -17,7 +17,9 @@ What is printed, per variant and T:
 - prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
   compiles the GPU path for that shape), and that over `full`'s.
 - decode: the median ms of --steps one-token steps, its spread (min - max over the steps)
-  and that over `full`'s median, at batch 1 and at --batch.
+  and that over `full`'s median, at batch 1 and at --batch. `full`'s steps for that ratio are
+  taken in turns with the row's own (--rounds rounds, `full` held prefilled beside each row):
+  the machine's speed drifts by 30% between rows here, and the ratio is what the table is for.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
   keys, values, summaries, and the inputs of the windows not yet summarised).
 - read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x
@@ -35,6 +37,7 @@ is skipped at the longer lengths, and the table says so. Rows are saved to --out
 measured; a rerun keeps the rows already there for the same settings (--fresh: measure all).
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -135,8 +138,25 @@ def decode_steps(model, cache, batch, steps, device, start_token=0):
     return times
 
 
-def measure(attn, T, args, autocast):
-    """One row: prefill and decoding of `attn` at T."""
+def turns(model, cache, beside, batch, args):
+    """(this model's step seconds, `beside`'s) at this batch: --steps steps each, taken in turns
+    over --rounds rounds when `beside` (full's model and cache at this batch) is given, so that
+    a drift of the machine's speed between rows (30% here) falls on both alike."""
+    rounds = max(1, min(args.rounds, args.steps)) if beside else 1
+    mine, theirs = [], []
+    for i in range(rounds):
+        n = args.steps // rounds + (i < args.steps % rounds)
+        mine += decode_steps(model, cache, batch, n, args.device)
+        if beside:
+            theirs += decode_steps(*beside, batch, n, args.device)
+    return mine, theirs
+
+
+def measure(attn, T, args, autocast, beside=None, keep=False):
+    """One row: prefill and decoding of `attn` at T. With `beside` (`full`'s model and caches at
+    T, batch 1 and --batch), full's steps are taken in turns with this row's (`turns`) and kept
+    in the row (full_decode_ms, full_decode_batch_ms): its decoding ratios divide by those.
+    keep: also return this model and its caches at batch 1 and --batch (full's, for `beside`)."""
     model = build(attn, args.layers, args.vocab, args.device)
     idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
     with torch.no_grad(), autocast:
@@ -147,18 +167,30 @@ def measure(attn, T, args, autocast):
         model(idx, cache=cache)
         prefill = clock(args.device) - t0
         nbytes = cache[0].nbytes()
-        one = decode_steps(model, cache, 1, args.steps, args.device)
+        one, full_one = turns(model, cache, beside and beside["one"], 1, args)
+        kept = copy.deepcopy(cache) if keep else None
         for layer in cache:
             layer.repeat_batch(args.batch)
-        many = decode_steps(model, cache, args.batch, args.steps, args.device)
+        many, full_many = turns(model, cache, beside and beside["many"], args.batch, args)
     elem = 2 if args.device == "cuda" else 4
     reads = definition_reads(model.layers[0].self_attn, T + args.steps, elem)
     weights = sum(p.numel() * elem for p in model.parameters())
+    row = dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes,
+               decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
+               reads_per_layer=reads, weight_bytes=weights,
+               read_bandwidth=read_bandwidth(max(weights + args.layers * reads, BANDWIDTH_BYTES), args.device))
+    if beside:
+        row.update(full_decode_ms=[1e3 * t for t in full_one], full_decode_batch_ms=[1e3 * t for t in full_many])
+    if keep:
+        return row, dict(one=(model, kept), many=(model, cache))
     del cache, model
-    return dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes,
-                decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
-                reads_per_layer=reads, weight_bytes=weights,
-                read_bandwidth=read_bandwidth(max(weights + args.layers * reads, BANDWIDTH_BYTES), args.device))
+    return row
+
+
+def hold_full(T, args, autocast):
+    """`full`'s model and caches at T (batch 1 and --batch) for `measure`'s beside, where its own
+    row was kept from an earlier run."""
+    return measure("full", T, args, autocast, keep=True)[1]
 
 
 def spread(ms):
@@ -184,6 +216,8 @@ def table(rows, args, bandwidth):
             bound_ms = 1e3 * (r["weight_bytes"] + args.layers * r["reads_per_layer"]) / r.get("read_bandwidth", bandwidth)
 
             def rel(value, key, fn=statistics.median):
+                if "full_" + key in r:  # full's steps taken in turns with this row's
+                    return f"{value / fn(r['full_' + key]):.2f}"
                 return f"{value / fn(base[key]):.2f}" if base else "-"
             out.append(f"| {name} | {T} | {r['prefill_s']:.3g} | {rel(r['prefill_s'], 'prefill_s', lambda x: x)} "
                        f"| {one:.1f} ({spread(r['decode_ms'])}) | {rel(one, 'decode_ms')} "
@@ -201,6 +235,7 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(ORDER))
     p.add_argument("--batch", type=int, default=None, help="the larger batch (default 8 on cpu, 16 on cuda)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5, help="each row's steps and full's taken in turns, this many rounds")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
@@ -221,7 +256,7 @@ def main(argv=None):
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), f"decode_{args.device}.json")
     torch.set_num_threads(args.threads)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
-    settings = dict(device=args.device, batch=args.batch, steps=args.steps, layers=args.layers, vocab=args.vocab,
+    settings = dict(device=args.device, batch=args.batch, steps=args.steps, rounds=args.rounds, layers=args.layers, vocab=args.vocab,
                     threads=args.threads, torch=torch.__version__)
     saved = {}
     if os.path.exists(args.out) and not args.fresh:
@@ -231,6 +266,7 @@ def main(argv=None):
     rows = dict(saved)
     print(f"decode.py: {settings}, lengths {args.lengths}, variants {args.variants}", flush=True)
     for i, T in enumerate(args.lengths):
+        beside = None  # full's model and caches at T, its steps taken in turns with each row's
         for name in args.variants:
             if (T, name) in rows:
                 continue
@@ -243,7 +279,18 @@ def main(argv=None):
                 rows[T, name] = dict(variant=name, T=T, skipped=f"skipped at {args.lengths[i - 1]}")
             else:
                 try:
-                    rows[T, name] = measure(name, T, args, autocast)
+                    if name == "full":
+                        rows[T, name], beside = measure(name, T, args, autocast, keep=True)
+                    else:
+                        full = rows.get((T, "full"))
+                        if beside is None and "full" in args.variants and (full is None or "prefill_s" in full):
+                            try:
+                                beside = hold_full(T, args, autocast)
+                            except Exception as e:  # noqa: BLE001 - the rows divide by full's row instead
+                                print(f"  T={T}: full's steps alongside not available ({type(e).__name__}: "
+                                      f"{str(e).strip()[:120]}); ratios divide by full's row", flush=True)
+                                beside = False
+                        rows[T, name] = measure(name, T, args, autocast, beside=beside or None)
                 except Exception as e:  # noqa: BLE001 - the row says so and the others still run
                     text = str(e).strip()
                     rows[T, name] = dict(variant=name, T=T, skipped=f"failed: {type(e).__name__}: "

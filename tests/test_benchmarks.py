@@ -278,10 +278,14 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     assert all(len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 2 for row in rows.values())
     line = next(x for x in r.stdout.splitlines() if x.startswith("| nsa | 128 |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
-    full = rows[128, "full"]
-    assert float(cells[3]) == pytest.approx(rows[128, "nsa"]["prefill_s"] / full["prefill_s"], abs=0.006)
-    assert float(cells[5]) == pytest.approx(statistics.median(rows[128, "nsa"]["decode_ms"])
-                                            / statistics.median(full["decode_ms"]), abs=0.006)
+    full, nsa = rows[128, "full"], rows[128, "nsa"]
+    assert float(cells[3]) == pytest.approx(nsa["prefill_s"] / full["prefill_s"], abs=0.006)
+    # decoding ratios: over full's steps taken in turns with the row's own, kept in the row
+    assert len(nsa["full_decode_ms"]) == len(nsa["full_decode_batch_ms"]) == 2 and "full_decode_ms" not in full
+    assert float(cells[5]) == pytest.approx(statistics.median(nsa["decode_ms"])
+                                            / statistics.median(nsa["full_decode_ms"]), abs=0.006)
+    assert float(cells[7]) == pytest.approx(statistics.median(nsa["decode_batch_ms"])
+                                            / statistics.median(nsa["full_decode_batch_ms"]), abs=0.006)
     assert "| full | 64 | " in r.stdout and "| 1.00 |" in r.stdout.split("| full | 64 |")[1].split("\n")[0]
     floor = re.search(r"the weights' products alone .*: ([\d.]+) ms at batch 1 = ([\d.]+)x .*; ([\d.]+) ms at batch 8",
                       r.stdout)
@@ -292,6 +296,13 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     kept = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
     assert all(kept[key] == rows[key] for key in rows)  # measured once
     assert "skipped" in kept[256, "nsa"] and "extrapolated as T^2" in again.stdout
+    saved = json.loads(out.read_text())  # a row missing beside full's kept row: full prefilled again to take turns
+    saved["rows"] = [row for row in saved["rows"] if (row["T"], row["variant"]) != (64, "local")]
+    out.write_text(json.dumps(saved))
+    third = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    local = next(row for row in json.loads(out.read_text())["rows"] if (row["T"], row["variant"]) == (64, "local"))
+    assert len(local["full_decode_ms"]) == 2 and "T=64 local" in third.stdout and "T=64 nsa" not in third.stdout
 
 
 def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
@@ -301,10 +312,10 @@ def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
     import decode
     real = decode.measure
 
-    def measure(attn, T, args, autocast):
+    def measure(attn, T, args, autocast, **kw):
         if attn == "local":
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real(attn, T, args, autocast)
+        return real(attn, T, args, autocast, **kw)
 
     monkeypatch.setattr(decode, "measure", measure)
     out = tmp_path / "decode.json"
