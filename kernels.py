@@ -517,12 +517,10 @@ class GateTile:
         """The compiled function `which` (0 logits, 1 grads). Should a later compile fail (a
         new shape), this call finishes with the uncompiled functions and the next calls run
         the eager tile."""
-        try:
-            return self.compiled[which](*args)
-        except Exception as e:
-            GateTile._failed(e)
+        out = GateTile.run_compiled(self.compiled, which, *args)
+        if GateTile._compiled is False:  # failed: this tile's later calls run uncompiled
             self.compiled = (gate_tile_logits, gate_tile_grads)
-            return self.compiled[which](*args)
+        return out
 
     def logits(self, t0, t1, c0, c1):
         """(G, t1 - t0, c1 - c0) gate logits before b2 of queries t0..t1 and keys c0..c1."""
@@ -2042,8 +2040,9 @@ def decode_attention(q, k, v, scale, q_start, k_start, window=None, window_from=
     if window is not None and q_start >= window_from:
         first = max(0, q_start - window - k_start)
         k, v, k_start = k[:, :, first:], v[:, :, first:], k_start + first
-    dist = _positions(T, k.shape[2], q_start, k_start, q.device)
-    seen = None if _every_key_seen(T, k.shape[2], q_start, k_start, window, window_from) else dist >= 0
+    every = _every_key_seen(T, k.shape[2], q_start, k_start, window, window_from)
+    dist = _positions(T, k.shape[2], q_start, k_start, q.device) if bias is not None or not every else None
+    seen = None if every else dist >= 0
     if seen is not None and window is not None:
         seen = seen & ((dist <= window) | (q_start + torch.arange(T, device=q.device)[:, None] < window_from))
     logits = _decode_logits(q, k, scale)
