@@ -2003,27 +2003,94 @@ def _decode_output(p, v):
     return out.view(B, H, T, v.shape[-1])
 
 
-def _cached_runs(x, b, h, first, length=1):
-    """x[b, h, first + i] for i < length, (.., length, D), and the positions read (.., length),
-    for index tensors b, h, first that broadcast; x (B, Hkv, S, D) a KV cache's view (rows of D
-    contiguous elements). One index_select over runs of `length` rows of x's storage (an
-    overlapping strided view), where advanced indexing computed each element's offset (3 ms
-    for nsa's 8 x 32 keys a head at batch 8, 12 heads) and a row at a time was 3x slower. A
-    run starts at 0 at the earliest and ends at the end of the storage at the latest (shifted
-    into it): the positions read say where, for the caller's mask (a position < 0 or >= S is
-    a row of another head or spare capacity)."""
+def _cached_rows(x, b, h, first, length=1):
+    """The rows x[b, h, first + i] for i < length as indices into `table`, x's storage seen as
+    (N, D) rows (a view, no copy): (table, rows (.., length) long, pos (.., length) the
+    positions asked for), for index tensors b, h, first that broadcast; x (B, Hkv, S, D) a KV
+    cache's view. A position < 0 or >= S (another head's row, spare capacity, or outside the
+    storage, whose row is clamped into it) is the caller's to mask. Rows, not elements: a
+    row's D values are contiguous, so its address is one multiply-add (advanced indexing
+    computed each element's offset: 3 ms for nsa's 8 x 32 keys a head at batch 8, 12 heads).
+    `GatheredDots` and `gathered_sum` read the rows where they lie."""
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         x = x.contiguous()
     D = x.shape[-1]
-    rows = (x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()) // D
-    if rows < length:  # a cache shorter than one run (a few tokens): padded, the padding masked by the caller
-        x = F.pad(x, (0, 0, 0, length))
-        rows = x.numel() // D
-    runs = x.as_strided((rows - length + 1, length * D), (D, 1))  # run r: rows r .. r + length - 1 from x's first
-    base = (b * (x.stride(0) // D) + h * (x.stride(1) // D)).expand(torch.broadcast_shapes(b.shape, h.shape, first.shape))
-    at = (base + first.clamp(min=0)).clamp(max=rows - length)
-    pos = (at - base)[..., None] + torch.arange(length, device=x.device)
-    return runs.index_select(0, at.reshape(-1)).view(*at.shape, length, D), pos
+    n_rows = (x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()) // D
+    table = x.as_strided((n_rows, D), (D, 1))  # row r: the storage's D elements from x's first + r D
+    base = b * (x.stride(0) // D) + h * (x.stride(1) // D)
+    pos = first[..., None] + torch.arange(length, device=x.device)
+    return table, (base[..., None] + pos).clamp(0, n_rows - 1), pos
+
+
+def _gathered_dots(q, table, rows):
+    """(Q, m) float32: q[i] . table[rows[i, j]], q (Q, D), rows (Q, m)."""
+    return (q[:, None, :].float() * table[rows].float()).sum(-1)
+
+
+class GatheredDots:
+    """`_gathered_dots`, compiled where it can be: the dot of each query row with the cache
+    rows its selection names, read where they lie (inductor's C++ on a CPU: one loop that
+    loads each named row once, no (Q, m, D) copy). Op by op, the rows are first copied out
+    (an index_select) and then read again by a product: for 16 random blocks of 64 keys a
+    head at batch 8 from an 8192-key cache (12 heads of 64), the gathers and products of keys
+    and values took 11 ms, this loop and `gathered_sum` 4 ms. Eager where compiling is off
+    (GatheredDots.COMPILE = False), fails, or is inside an outer torch.compile. Which ran is
+    said once (`path`)."""
+
+    # DECODE_COMPILED_GATHER=0 sets COMPILE False for a process and its children (the test
+    # suite does, so that each test process does not pay the compile; tests/test_decode.py
+    # turns it back on).
+    COMPILE = os.environ.get("DECODE_COMPILED_GATHER", "1") != "0"
+    _compiled = None  # the compiled function once compiled; False once compiling failed
+    path = None
+
+    @classmethod
+    def run(cls, q, table, rows):
+        """_gathered_dots(q, table, rows): compiled on a CPU (on a GPU, where decoding is bound by
+        launches, not bytes, the eager form: not yet timed there)."""
+        fn = cls._compile() if q.device.type == "cpu" else None
+        if fn is not None:
+            try:
+                return fn(q, table, rows)
+            except Exception as e:  # a new shape that fails to compile: this call and the next eager
+                cls._failed(e)
+        return torch.bmm(table[rows], q[:, :, None]).squeeze(-1).float()  # the rows copied, then one product
+
+    @classmethod
+    def _compile(cls):
+        if not cls.COMPILE or torch.compiler.is_compiling():
+            cls._say("eager (" + ("GatheredDots.COMPILE is False" if not cls.COMPILE else "inside torch.compile") + ")")
+            return None
+        if cls._compiled is None:
+            try:
+                fn = torch.compile(_gathered_dots, dynamic=True)
+                fn(torch.ones(2, 4), torch.ones(5, 4), torch.zeros(2, 3, dtype=torch.long))  # a failure shows here
+                cls._compiled = fn
+            except Exception as e:  # no C++ compiler, an inductor error: the same sums, eager
+                cls._failed(e)
+        if cls._compiled:
+            cls._say("compiled (torch.compile)")
+        return cls._compiled or None
+
+    @classmethod
+    def _failed(cls, e):
+        cls._compiled = False
+        cls._say(f"eager (torch.compile failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]})")
+
+    @classmethod
+    def _say(cls, path):
+        if cls.path != path:
+            cls.path = path
+            print(f"kernels.py: decoding's gathered rows: {path}", flush=True)
+
+
+def gathered_sum(p, table, rows):
+    """(Q, D): sum_j p[i, j] table[rows[i, j]], p and rows (Q, m): the probabilities times the
+    values the selection names, read where they lie (`F.embedding_bag`: each row is a bag of
+    m table rows, weighted; one pass over the rows named, where a gather and a product read
+    them twice and wrote a copy between: 1.3 ms against 3.7 ms for nsa's 16 x 64 values a
+    head at batch 8)."""
+    return F.embedding_bag(rows, table, mode="sum", per_sample_weights=p.to(table.dtype))
 
 
 def _positions(T, S, q_start, k_start, device):
@@ -2097,7 +2164,7 @@ def decode_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
     """attention.topk_attention: every visible key scored (the definition ranks them all), the
     k_i-th highest found by a top-k (a selection, not a sort), every key tied with it kept
     (attention.topk_mask's tie rule); then one softmax over the kept keys alone, and only
-    their values read, from the cache by index (`_cached_runs`): not the (rows, S) product
+    their values read, from the cache by index (`gathered_sum`): not the (rows, S) product
     with every value that a mask of zeros would multiply. The number kept (k_i, more with
     ties) is read back once a call, to size the gather."""
     key_offset(q, k, q_start, k_start)
@@ -2113,9 +2180,10 @@ def decode_topk_attention(q, k, v, scale, q_start, k_start, k_per_query, k_max):
     logits, at = visible.masked_fill_(~kept, NEG_INF).topk(int(kept.sum(-1).max()), -1)  # the kept keys, then -inf
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
-    values = _cached_runs(v, b, h, at)[0][..., 0, :]  # (B, H, T, m, D)
+    table, rows, _ = _cached_rows(v, b, h, at)  # (B, H, T, m, 1)
     p = _softmax_or_zero(logits, logits > NEG_INF)
-    return torch.einsum("bhtm,bhtmd->bhtd", p.to(values.dtype), values)
+    m = at.shape[-1]
+    return gathered_sum(p.reshape(-1, m), table, rows.reshape(-1, m)).view(B, H, T, v.shape[-1])
 
 
 def decode_combiner_attention(q, k, v, kbar, vbar, scale, q_start, k_start, block):
@@ -2142,31 +2210,33 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     Hkv, S = k.shape[1], k.shape[2]
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
-    (kg, pos), (vg, _) = (_cached_runs(x, b, h, blocks * block - k_start, block) for x in (k, v))  # the blocks alone
-    kg, vg = kg.flatten(3, 4), vg.flatten(3, 4)  # (B, H, T, n block, D)
+    k_rows, rows, pos = _cached_rows(k, b, h, blocks * block - k_start, block)  # (B, H, T, n, block): the blocks alone
+    v_rows = _cached_rows(v, b, h, blocks * block - k_start, block)
     q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
     ok = ((blocks >= 0) & ~repeated(blocks))[..., None] & ((pos + k_start) // block == blocks[..., None])
     ok = ok & (pos >= 0) & (pos < S) & (pos + k_start <= q_pos)  # (B, H, T, n, block): a key of the block, cached, seen
-    logits = torch.einsum("bhtd,bhtkd->bhtk", q, kg).float() * scale
+    m = ok.shape[3] * block
+    logits = GatheredDots.run(q.reshape(B * H * T, D), k_rows, rows.reshape(-1, m)).view(B, H, T, m) * scale
     p = _softmax_or_zero(logits, ok.flatten(3, 4))
-    return torch.einsum("bhtk,bhtkd->bhtd", p.to(vg.dtype), vg)
+    return gathered_sum(p.view(-1, m), v_rows[0], v_rows[1].reshape(-1, m)).view(B, H, T, D)
 
 
 def decode_selected_attention(q, k, v, scale, q_start, k_start, keys):
     """attention.selected_attention: each query's listed keys read from the cache by index
-    (`_cached_runs`), shared by the query heads of a key head, one softmax over them."""
+    (`GatheredDots`, `gathered_sum`), shared by the query heads of a key head, one softmax over them."""
     key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
+    n = keys.shape[-1]
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1)
+    h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
     at = keys.clamp(min=0)[:, None]  # (B, 1, T, n)
-    kg, vg = (_cached_runs(x, b, h, at)[0][..., 0, :] for x in (k, v))  # (B, Hkv, T, n, D)
-    logits = torch.einsum("bkgtd,bktnd->bkgtn", q.reshape(B, Hkv, H // Hkv, T, D), kg).float() * scale
+    (k_rows, rows, _), (v_rows, v_at, _) = (_cached_rows(x, b, h, at) for x in (k, v))  # (B, H, T, n, 1)
+    logits = GatheredDots.run(q.reshape(B * H * T, D), k_rows, rows.reshape(-1, n)).view(B, H, T, n) * scale
     q_pos = q_start + torch.arange(T, device=q.device)[:, None]
-    p = _softmax_or_zero(logits, ((keys >= 0) & (k_start + keys <= q_pos))[:, None, None])  # (B, Hkv, G, T, n)
-    return torch.einsum("bkgtn,bktnd->bkgtd", p.to(vg.dtype), vg).reshape(B, H, T, D)
+    p = _softmax_or_zero(logits, ((keys >= 0) & (k_start + keys <= q_pos))[:, None])  # (B, H, T, n)
+    return gathered_sum(p.view(-1, n), v_rows, v_at.reshape(-1, n)).view(B, H, T, D)
 
 
 def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):

@@ -128,7 +128,7 @@ class Rows:
 
     def append(self, x):
         """Write x (..., n, X), the positions end .. end + n - 1, in place. Spare capacity is
-        zeros, never uninitialised memory: a gather of whole blocks (kernels._cached_runs) may
+        zeros, never uninitialised memory: a read of whole blocks (kernels._cached_rows) may
         read past the last row, and masks what it read there, which a NaN would survive."""
         n = x.shape[-2]
         if self.data is None or self.hi + n > self.data.shape[-2]:

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py
 # Ops that read their first input at the positions an index names: they read what they return.
 GATHERS = {torch.ops.aten.index.Tensor, torch.ops.aten.gather.default, torch.ops.aten.index_select.default,
            torch.ops.aten.embedding.default}
+# Ops that sum rows of their first input (weight) that their indices name: they read those rows.
+BAGS = {torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default}
 
 
 def addressed(t):
@@ -44,7 +46,7 @@ def addressed(t):
 
 class StepCounter(TorchDispatchMode):
     """Counts the aten ops dispatched and the bytes their tensor inputs address; a view reads
-    nothing, a gather what it returns (and its indices)."""
+    nothing, a gather what it returns (and its indices), a bag sum the rows it names."""
 
     def __init__(self):
         super().__init__()
@@ -55,9 +57,14 @@ class StepCounter(TorchDispatchMode):
         if not func.is_view:
             self.ops += 1
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            named = 0
             if func in GATHERS:  # the source's rows that are read, and the indices
                 inputs = [out] + inputs[1:]
-            self.bytes += sum(addressed(t) for t in inputs if t.layout == torch.strided)
+            elif func in BAGS:  # the rows the indices name, and the indices and weights
+                weight, indices = inputs[:2]
+                named = indices.numel() * weight[0].numel() * weight.element_size()
+                inputs = inputs[1:]
+            self.bytes += named + sum(addressed(t) for t in inputs if t.layout == torch.strided)
         return out
 
 
@@ -177,8 +184,8 @@ def test_a_stale_summary_fails_the_decode_check(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["nsa", "moba"])
 def test_a_block_gather_past_the_last_row_reads_zeros(name):
-    """A decoding step gathers whole blocks (kernels._cached_runs), whose runs may read rows
-    past the cache's last, into its spare capacity, and masks them; a NaN there would survive
+    """A decoding step reads whole blocks (kernels._cached_rows), which may read rows past
+    the cache's last, into its spare capacity, and masks them; a NaN there would survive
     the mask (0 * NaN), so model.Rows fills spare capacity with zeros. Run with torch's
     deterministic mode, which fills uninitialised memory with NaN: decoding still equals
     recomputation (with the buffers made by new_empty, it does not)."""
@@ -225,3 +232,62 @@ def test_rows_keep_their_values_in_either_layout(keys_last):
     rows.repeat_batch(2)
     assert torch.equal(rows.view(), x[:, :, 5:].repeat_interleave(2, dim=0))
     assert (rows.view().stride(-2) == 1) == keys_last and (rows.view().stride(-1) == 1) != keys_last
+
+
+def gathered_ops(compiled):
+    """kernels.DECODE's block, selected and top-k attention with decoding's gathered rows
+    compiled or eager (kernels.GatheredDots)."""
+    import kernels
+    old = kernels.GatheredDots.COMPILE
+    kernels.GatheredDots.COMPILE = compiled
+    return kernels, old
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gathered_rows_equal_the_reference(compiled):
+    """The decode forms that read the rows a selection names where they lie in the cache
+    (kernels._cached_rows, GatheredDots, gathered_sum) equal attention.py's block, selected and
+    top-k attention: keys in a cache view with spare capacity, 10 queries after the first
+    keys were trimmed (k_start > 0, so some listed blocks start before the cache's first key
+    and run off its start), empty and repeated slots, and GQA. Fails if a row clamped into the
+    storage keeps a visible position (it would count a key several times)."""
+    import attention
+    kernels, old = gathered_ops(compiled)
+    try:
+        g = torch.Generator().manual_seed(0)
+        B, H, Hkv, D, S, T, block, k_start = 2, 4, 2, 8, 100, 10, 16, 20
+        cap_k, cap_v = torch.randn(B, Hkv, 160, D, generator=g), torch.randn(B, Hkv, 160, D, generator=g)
+        k, v = cap_k[:, :, 30:30 + S], cap_v[:, :, 30:30 + S]  # a view: rows before and after it
+        q = torch.randn(B, H, T, D, generator=g)
+        q_start = k_start + S - T
+        blocks = torch.randint(-1, (k_start + S) // block + 1, (B, H, T, 3), generator=g)
+        blocks[..., 2] = blocks[..., 1]  # a repeated slot
+        ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+        out = kernels.DECODE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+        assert (out - ref).abs().max() < 1e-5
+        keys = torch.randint(-1, S, (B, T, 5), generator=g)
+        keys = torch.where(keys >= 0, torch.stack([torch.randperm(S, generator=g)[:5] for _ in range(B * T)]).view(B, T, 5), -1)
+        ref = attention.selected_attention(q, k, v, 0.3, q_start, k_start, keys)
+        out = kernels.DECODE.selected_attention(q, k, v, 0.3, q_start, k_start, keys)
+        assert (out - ref).abs().max() < 1e-5
+        k_per_query = torch.arange(1, T + 1) * 3
+        ref = attention.topk_attention(q, k, v, 0.3, q_start, k_start, k_per_query, 3 * T)
+        out = kernels.DECODE.topk_attention(q, k, v, 0.3, q_start, k_start, k_per_query, 3 * T)
+        assert (out - ref).abs().max() < 1e-5
+        if compiled:
+            assert kernels.GatheredDots.path == "compiled (torch.compile)", kernels.GatheredDots.path
+    finally:
+        kernels.GatheredDots.COMPILE = old
+
+
+@pytest.mark.parametrize("name", ["nsa", "moba", "indexer", "caa"])
+def test_decoding_through_the_compiled_gathered_rows_equals_recomputation(name):
+    """Prefill, then one-token steps through the compiled gathered rows: the logits equal the
+    uncached forward's."""
+    kernels, old = gathered_ops(True)
+    try:
+        idx = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(3))
+        assert decodes_as_recomputed(tiny(name), idx, 37)
+        assert kernels.GatheredDots.path == "compiled (torch.compile)", kernels.GatheredDots.path
+    finally:
+        kernels.GatheredDots.COMPILE = old
