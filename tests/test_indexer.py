@@ -353,7 +353,7 @@ def test_cached_decoding_equals_the_forward():
 def test_selected_attention_paths_equal_the_reference(q_start, dense, monkeypatch):
     """The core op alone, on random selections (with empty slots, a query listing nothing and
     one listing only a future key), after cached keys too: blockwise outputs and q, k, v
-    gradients in several chunks, gathered and dense (SDPA under a mask of the listed keys,
+    gradients in several chunks, and outputs without gradient (compiled and eager), gathered and dense (SDPA under a mask of the listed keys,
     which the blockwise path takes while queries see few keys); flex outputs (FlexAttention,
     eager)."""
     monkeypatch.setattr(kernels, "SELECTED_DENSE", 10 ** 9 if dense else 0)
@@ -373,15 +373,15 @@ def test_selected_attention_paths_equal_the_reference(q_start, dense, monkeypatc
     cot = torch.randn(B, H, T, D, generator=g)
     ref = attention.selected_attention(q, k, v, 0.3, q_start, 0, keys)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
-    step = kernels.SELECTED_GATHER
-    kernels.SELECTED_GATHER = B * Hkv * n * D * 8  # 8 queries per chunk: several checkpointed chunks
-    try:
-        out = kernels.BLOCKWISE.selected_attention(q, k, v, 0.3, q_start, 0, keys)
-    finally:
-        kernels.SELECTED_GATHER = step
+    monkeypatch.setattr(kernels, "SELECTED_GATHER", B * Hkv * n * D * 8)  # 8 queries per chunk: several chunks
+    out = kernels.BLOCKWISE.selected_attention(q, k, v, 0.3, q_start, 0, keys)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-4
+    with torch.no_grad():  # a prefill's: the gathered form reads the listed rows where they lie, compiled or not
+        for compiled in (False, True):
+            monkeypatch.setattr(kernels.GatheredDots, "COMPILE", compiled)
+            assert rel(kernels.BLOCKWISE.selected_attention(q, k, v, 0.3, q_start, 0, keys), ref) < 1e-5, compiled
     # eager FlexAttention has no CPU backward: its gradients are CUDA tests (and the interpret check)
     flex = kernels.FLEX.selected_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, 0, keys)
     assert rel(flex, ref) < 1e-5
