@@ -1220,18 +1220,23 @@ def sliding_block_scores(p_cmp, J, length, stride, block):
     positions worth p_i / stride each, so block j (segments j pb .. j pb + pb - 1, pb = block
     / stride) gets sum_i p_i #(the segments both hold): a weighted sum over the keys j pb -
     covers + 1 .. j pb + pb - 1, with weights ones(covers) convolved with ones(pb) (a
-    trapezoid), summed as `width` strided slices of the keys (one multiply-add each over
-    (.., J): a matmul over the overlapping windows copied them per row, 2.6x slower).
+    trapezoid), summed as `width` strided slices of the keys, each added in place with its
+    weight over the blocks whose key exists (a matmul over the overlapping windows copied
+    them per row, 2.6x slower; the keys zero-padded first, a copy of every probability, and
+    a product per slice took 2x this).
     Needs stride | length and stride | block (nsa's check_config)."""
     covers, per_block = length // stride, block // stride
     width = per_block + covers - 1
     C = p_cmp.shape[-1]
-    right = max(0, (J - 1) * per_block + width - (covers - 1) - C)  # zeros past the last key, up to block J - 1
-    keys = F.pad(p_cmp, (covers - 1, right))  # block j's window: keys[j pb .. j pb + width - 1]
-    stop = (J - 1) * per_block + 1
-    out = keys[..., :stop:per_block] * min(1, covers, per_block, width)
-    for w in range(1, width):
-        out += keys[..., w:w + stop:per_block] * min(w + 1, covers, per_block, width - w)  # the trapezoid's weight w
+    out = p_cmp.new_zeros(*p_cmp.shape[:-1], J)
+    for w in range(width):
+        shift = w - (covers - 1)  # block j's w-th key: j pb + shift, where 0 <= it < C
+        j0 = 0 if shift >= 0 else (per_block - 1 - shift) // per_block
+        j1 = min(J, (C - 1 - shift) // per_block + 1) if C - 1 - shift >= 0 else 0
+        if j1 > j0:
+            first = j0 * per_block + shift
+            weight = min(w + 1, covers, per_block, width - w)  # the trapezoid's weight w
+            out[..., j0:j1].add_(p_cmp[..., first:first + (j1 - j0 - 1) * per_block + 1:per_block], alpha=weight)
     return out
 
 
