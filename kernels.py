@@ -77,9 +77,10 @@ here and the loops write into float32 buffers):
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Without a gradient (a prefill) the listed rows are read where
-  they lie instead (`_selected_rows_chunk`, as a decoding step reads them). Time O(T n H D), memory O(T D) plus one chunk. While a query
-  sees fewer than SELECTED_DENSE x n keys, SDPA over every visible key with a mask of the
-  listed ones instead: more pairs, but each ~27x cheaper here than a key read by index.
+  they lie instead (`_selected_rows_chunk`, as a decoding step reads them). Time O(T n H D),
+  memory O(T D) plus one chunk. While a query sees fewer than SELECTED_DENSE x n keys, SDPA
+  over every visible key with a mask of the listed ones instead: more pairs, but each ~27x
+  cheaper here than a key read by index.
 FLEX's selected attention (`flex_selected_attention`): one FlexAttention call whose mask_mod
 reads each query's listed keys as bits and whose query tiles list the key tiles any of their
 queries chose: per-token choices touch nearly every tile, so the work is about dense, on
@@ -2109,7 +2110,7 @@ class GatheredDots:
     def _say(cls, path):
         if cls.path != path:
             cls.path = path
-            print(f"kernels.py: decoding's gathered rows: {path}", flush=True)
+            print(f"kernels.py: the dots with selected cache rows (GatheredDots): {path}", flush=True)
 
 
 def gathered_sum(p, table, rows):

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # asga's gate tile runs eager in the suite (and the processes it starts): compiling it costs
 # every test process tens of seconds on 2 cores; tests/test_gate_tile.py checks the compiled one.
 os.environ.setdefault("ASGA_COMPILED_GATE", "0")
-# Likewise decoding's gathered rows (kernels.GatheredDots): the suite counts and checks the
+# Likewise the dots with selected cache rows (kernels.GatheredDots): the suite counts and checks the
 # eager ops; tests/test_decode.py checks the compiled loop against them.
 os.environ.setdefault("DECODE_COMPILED_GATHER", "0")
 
