@@ -77,7 +77,7 @@ here and the loops write into float32 buffers):
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Without a gradient (a prefill) the listed rows are read where
-  they lie instead (`_selected_rows_chunk`, as a decoding step reads them). Time O(T n H D),
+  they lie instead (`listed_rows_attention`, as a decoding step reads them). Time O(T n H D),
   memory O(T D) plus one chunk. While a query sees fewer than SELECTED_DENSE x n keys, SDPA
   over every visible key with a mask of the listed ones instead: more pairs, but each ~27x
   cheaper here than a key read by index.
@@ -1064,7 +1064,9 @@ def blockwise_selected_attention(q, k, v, scale, q_start, k_start, keys):
         step = max(1, SELECTED_GATHER // (B * k.shape[1] * keys.shape[-1] * D))
         run = _selected_chunk
         if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            run = _selected_rows_chunk  # no gradient (a prefill, an evaluation): no copies to keep
+            # no gradient (a prefill, an evaluation): the listed rows read where they lie, not copied
+            # out and read again (10 of the indexer's 26 s of prefill at T = 16384)
+            run = listed_rows_attention
         elif step < T:
             run = functools.partial(torch.utils.checkpoint.checkpoint, _selected_chunk, use_reentrant=False)
         return torch.cat([run(q[:, :, t0:t0 + step], k, v, keys[:, t0:t0 + step], off + t0)
@@ -1114,23 +1116,6 @@ def _selected_chunk(q, k, v, keys, first):
     some = ok.any(-1, keepdim=True)  # a query with no visible key gets 0, as in the reference
     p = torch.softmax(logits.masked_fill(~ok, NEG_INF).masked_fill(~some, 0.0), -1) * some
     return torch.einsum("bkgcn,bkcnd->bkgcd", p, values_g).reshape(B, H, c, D)
-
-
-def _selected_rows_chunk(q, k, v, keys, first):
-    """_selected_chunk without a gradient: each query's listed keys and values read where they
-    lie in k and v (`_cached_rows`, `GatheredDots`, `gathered_sum`), not copied out first.
-    The indexer's prefill at T = 16384 spent 12 of its 26 s in the copies (index_select) and
-    the products that read them again."""
-    B, H, c, D = q.shape
-    Hkv, n = k.shape[1], keys.shape[-1]
-    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
-    at = keys.clamp(min=0)[:, None]  # (B, 1, c, n)
-    (k_rows, rows, _), (v_rows, v_at, _) = (_cached_rows(x, b, h, at) for x in (k, v))  # (B, H, c, n, 1)
-    logits = GatheredDots.run(q.reshape(B * H * c, D), k_rows, rows.reshape(-1, n)).view(B, H, c, n)
-    ok = (keys >= 0) & (keys <= first + torch.arange(c, device=q.device)[:, None])  # (B, c, n) visible
-    p = _softmax_or_zero(logits, ok[:, None])  # a query with no visible key gets 0, as in the reference
-    return gathered_sum(p.view(-1, n), v_rows, v_at.reshape(-1, n)).view(B, H, c, D)
 
 
 # ---------------------------------------------------------------------------- both sets: stages a chunk of queries at a time
@@ -2052,6 +2037,18 @@ def _cached_rows(x, b, h, first, length=1):
     return table, (base[..., None] + pos).clamp(0, n_rows - 1), pos
 
 
+def _cached_kv_rows(k, v, b, h, first, length=1):
+    """`_cached_rows` of a cache's keys and of its values: (k table, k rows, v table, v rows,
+    pos), the row indices computed once where k and v lie alike in their storages (a
+    KVCache's two `Rows` do)."""
+    k_table, k_rows, pos = _cached_rows(k, b, h, first, length)
+    if (k_table.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.storage_offset() == k.storage_offset()
+            and v.untyped_storage().nbytes() == k.untyped_storage().nbytes()):
+        return k_table, k_rows, v.as_strided(k_table.shape, k_table.stride()), k_rows, pos
+    v_table, v_rows, _ = _cached_rows(v, b, h, first, length)
+    return k_table, k_rows, v_table, v_rows, pos
+
+
 def _gathered_dots(q, table, rows):
     """(Q, m) float32: q[i] . table[rows[i, j]], q (Q, D), rows (Q, m)."""
     return (q[:, None, :].float() * table[rows].float()).sum(-1)
@@ -2239,33 +2236,38 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     Hkv, S = k.shape[1], k.shape[2]
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
-    k_rows, rows, pos = _cached_rows(k, b, h, blocks * block - k_start, block)  # (B, H, T, n, block): the blocks alone
-    v_rows = _cached_rows(v, b, h, blocks * block - k_start, block)
+    k_table, k_rows, v_table, v_rows, pos = _cached_kv_rows(k, v, b, h, blocks * block - k_start, block)  # the blocks alone
     q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
     ok = ((blocks >= 0) & ~repeated(blocks))[..., None] & ((pos + k_start) // block == blocks[..., None])
     ok = ok & (pos >= 0) & (pos < S) & (pos + k_start <= q_pos)  # (B, H, T, n, block): a key of the block, cached, seen
     m = ok.shape[3] * block
-    logits = GatheredDots.run(q.reshape(B * H * T, D), k_rows, rows.reshape(-1, m)).view(B, H, T, m) * scale
+    logits = GatheredDots.run(q.reshape(B * H * T, D), k_table, k_rows.reshape(-1, m)).view(B, H, T, m) * scale
     p = _softmax_or_zero(logits, ok.flatten(3, 4))
-    return gathered_sum(p.view(-1, m), v_rows[0], v_rows[1].reshape(-1, m)).view(B, H, T, D)
+    return gathered_sum(p.view(-1, m), v_table, v_rows.reshape(-1, m)).view(B, H, T, D)
 
 
 def decode_selected_attention(q, k, v, scale, q_start, k_start, keys):
-    """attention.selected_attention: each query's listed keys read from the cache by index
-    (`GatheredDots`, `gathered_sum`), shared by the query heads of a key head, one softmax over them."""
+    """attention.selected_attention: each query's listed keys read from the cache where they
+    lie (`listed_rows_attention`), shared by the query heads of a key head."""
     key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
+    return listed_rows_attention(q, k, v, keys, q_start - k_start, scale)
+
+
+def listed_rows_attention(q, k, v, keys, first, scale=1.0):
+    """One softmax over the keys each query lists, read where they lie in k and v (B, Hkv, S, D)
+    (`_cached_kv_rows`, `GatheredDots`, `gathered_sum`), shared by the query heads of a key
+    head: q (B, H, T, D), keys (B, T, n) indices into the S keys (-1 empty), query t at key
+    index first + t (it sees keys <= that); a query seeing none gets 0, as in the reference."""
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    n = keys.shape[-1]
+    Hkv, n = k.shape[1], keys.shape[-1]
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
-    at = keys.clamp(min=0)[:, None]  # (B, 1, T, n)
-    (k_rows, rows, _), (v_rows, v_at, _) = (_cached_rows(x, b, h, at) for x in (k, v))  # (B, H, T, n, 1)
-    logits = GatheredDots.run(q.reshape(B * H * T, D), k_rows, rows.reshape(-1, n)).view(B, H, T, n) * scale
-    q_pos = q_start + torch.arange(T, device=q.device)[:, None]
-    p = _softmax_or_zero(logits, ((keys >= 0) & (k_start + keys <= q_pos))[:, None])  # (B, H, T, n)
-    return gathered_sum(p.view(-1, n), v_rows, v_at.reshape(-1, n)).view(B, H, T, D)
+    k_table, k_rows, v_table, v_rows, _ = _cached_kv_rows(k, v, b, h, keys.clamp(min=0)[:, None])  # (B, H, T, n, 1)
+    logits = GatheredDots.run(q.reshape(B * H * T, D), k_table, k_rows.reshape(-1, n)).view(B, H, T, n) * scale
+    ok = (keys >= 0) & (keys <= first + torch.arange(T, device=q.device)[:, None])  # (B, T, n) visible
+    p = _softmax_or_zero(logits, ok[:, None])  # (B, H, T, n)
+    return gathered_sum(p.view(-1, n), v_table, v_rows.reshape(-1, n)).view(B, H, T, D)
 
 
 def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):

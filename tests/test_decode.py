@@ -265,6 +265,8 @@ def test_gathered_rows_equal_the_reference(compiled):
         ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
         out = kernels.DECODE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
         assert (out - ref).abs().max() < 1e-5
+        out = kernels.DECODE.block_attention(q, k, v.contiguous(), 0.3, q_start, k_start, block, blocks)
+        assert (out - ref).abs().max() < 1e-5  # values laid out unlike the keys: their own rows
         keys = torch.randint(-1, S, (B, T, 5), generator=g)
         keys = torch.where(keys >= 0, torch.stack([torch.randperm(S, generator=g)[:5] for _ in range(B * T)]).view(B, T, 5), -1)
         ref = attention.selected_attention(q, k, v, 0.3, q_start, k_start, keys)
