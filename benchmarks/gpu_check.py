@@ -430,15 +430,16 @@ def markdown(result):
                 lines += [f"    {t['ms']:9.3f} ms {t['calls']:5d}x  {t['name']}" for t in r["top"]]
     if "training" in result:
         lines.append("\ntraining steps\n")
-        lines.append("| config | kernel | tok/s | MFU | TFLOP/s | peak GB | first step s (compiles) |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append("| config | T x batch | kernel | tok/s | MFU | TFLOP/s | peak GB | first step s (compiles) |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in result["training"]:
+            shape = f"{r['T']} x {r['batch']}"
             if "error" in r:
-                lines.append(f"| {r['config']} | - | {r['error'][:80]} | | | | |")
+                lines.append(f"| {r['config']} | {shape} | - | {r['error'][:80]} | | | | |")
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
             gb = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else "-"
-            lines.append(f"| {r['config']} | {r['kernel']} | {r['tok_s']:,.0f} | {mfu} | {r['flop_s'] / 1e12:.3g} | {gb} "
+            lines.append(f"| {r['config']} | {shape} | {r['kernel']} | {r['tok_s']:,.0f} | {mfu} | {r['flop_s'] / 1e12:.3g} | {gb} "
                          f"| {r['first_step_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -452,6 +453,8 @@ def main(argv=None):
     parser.add_argument("--lengths", help="comma-separated sequence lengths for the attention step "
                         "(default: the shape's, 1024..8192 on a GPU)")
     parser.add_argument("--steps", type=int, help="timed training steps per configuration (default: the shape's)")
+    parser.add_argument("--train_T", type=int, help="the training step's sequence length (default: the shape's, "
+                        "1024 on a GPU); the batch shrinks to keep the tokens of a step (16 x 1024 on a GPU)")
     parser.add_argument("--profile", action="store_true", help="where the time goes, instead of the three steps: "
                         "compile s, top kernels and time over SDPA per variant at T = 4096 and 16384, then training")
     parser.add_argument("--dry_run", action="store_true", help="--profile at the tiny shape (any device, seconds)")
@@ -470,6 +473,9 @@ def main(argv=None):
         shape["lengths"] = tuple(int(t) for t in args.lengths.split(","))
     if args.steps:
         shape["steps"] = args.steps
+    if args.train_T:
+        shape["batch"] = max(1, shape["batch"] * shape["T"] // args.train_T)
+        shape["T"] = args.train_T
     global CONFIGS, PROFILE_CONFIGS
     if args.only:
         wanted = args.only.split(",")

@@ -173,6 +173,20 @@ def test_gpu_check_row_s_sets_what_a_training_row_needs_left(tmp_path):
     assert rows[1]["tok_s"] > 0, rows[1]
 
 
+
+def test_gpu_check_train_T_keeps_the_tokens_of_a_step(tmp_path):
+    """--train_T sets the training rows' sequence length (the long-context throughput rows) and
+    shrinks the batch so a step keeps its tokens: the tiny shape's 4 x 64 becomes 8 x 32, and
+    the table says which."""
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--skip=attention",
+                        "--only=full", "--train_T=32", f"--out={out}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    row, = json.loads(out.read_text())["training"]
+    assert (row["T"], row["batch"]) == (32, 8) and row["tok_s"] > 0, row
+    assert "| full | 32 x 8 |" in out.with_suffix(".md").read_text()
+
 def test_gpu_check_frees_a_failed_configuration_before_the_next(monkeypatch):
     """A training row that fails in its step (on an H100: the indexer out of memory) must not
     keep its model and optimizer alive into the next configuration, whose preflight then ran
