@@ -1571,13 +1571,54 @@ PAIR_GATE_TILES = dict(fwd_BLOCK_M=64, fwd_BLOCK_N=32, fwd_num_warps=4, bwd_BLOC
                        bwd_BLOCK_M2=64, bwd_BLOCK_N2=32, bwd_num_warps=4)
 
 
+# Which kernels run asga's pair-gated attention on the GPU path: 'auto' (kernels_triton.py's
+# on CUDA, FlexAttention elsewhere), 'triton' (on any device: on a CPU under Triton's
+# interpreter, TRITON_INTERPRET=1) or 'flex'. FlexAttention's backward makes each captured gate
+# tensor's gradient by an atomic add per score: 151x flash SDPA at T = 4096 on an H200.
+ASGA_KERNEL = os.environ.get("ASGA_KERNEL", "auto")
+if ASGA_KERNEL not in ("auto", "triton", "flex"):
+    raise ValueError(f"ASGA_KERNEL={ASGA_KERNEL!r}: use auto (Triton's kernels on CUDA), triton or flex")
+
+
+def pair_gate_kernels(q):
+    """('triton' or 'flex', why) for q's device and head dim; said once per answer, outside
+    a compile."""
+    why = "ASGA_KERNEL=flex"
+    if ASGA_KERNEL == "triton" or (ASGA_KERNEL == "auto" and q.is_cuda):
+        try:
+            import kernels_triton
+            why = kernels_triton.unsupported(q)
+        except ImportError as e:
+            why = f"triton not importable ({e})"
+        if why is None:
+            return _say_pair_gate("triton", "kernels_triton.py, no atomics")
+    elif ASGA_KERNEL == "auto":
+        why = "not a CUDA tensor"
+    return _say_pair_gate("flex", why)
+
+
+_pair_gate_said = set()
+
+
+def _say_pair_gate(path, why):
+    if path not in _pair_gate_said and not torch.compiler.is_compiling():
+        _pair_gate_said.add(path)
+        print(f"kernels.py: asga's pair-gated attention: {path} ({why})", flush=True)
+    return path, why
+
+
 def flex_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
-    """attention.pair_gated_attention: the gate is a score_mod reading the captured per-query
-    and per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention,
-    not even one (T, S) score tile outlives its block)."""
+    """attention.pair_gated_attention. On CUDA through kernels_triton.py's kernels
+    (`pair_gate_kernels`); else the gate is a score_mod reading the captured per-query and
+    per-key terms, so the (T, S, r) pair tensor never exists (in compiled FlexAttention, not
+    even one (T, S) score tile outlives its block)."""
+    q, k, v = _same_dtype(q, k, v)
+    if pair_gate_kernels(q)[0] == "triton":
+        import kernels_triton
+        return kernels_triton.pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start,
+                                                   gate_space)
     B, H, T = q.shape[:3]
     S = k.shape[2]
-    q, k, v = _same_dtype(q, k, v)
     scale, head_scale = (1.0, scale) if torch.is_tensor(scale) else (scale, None)
     # Every captured tensor is read once, by row ([b, h, i]) or by key ([b, h, j]): see
     # `units` and `per_row`. Each is (B, H, T) or (B, H, S); r + r + r + 2 of them. All are

@@ -2,8 +2,8 @@
 fresh machine. These tests hold the first to be enough for the second: every pytest plugin
 the test command's options need, and every third-party module the project and its tests
 import, comes from what requirements.txt installs (with what those packages require).
-Optional extras (requirements-dev.txt: lm-eval) are imported only where a test skips
-without them. .ci/run runs the pair itself in a fresh virtual environment.
+Optional extras (requirements-dev.txt: lm-eval; triton, which torch's CUDA builds bring and
+the CPU wheel does not) are imported only where a test skips without them. .ci/run runs the pair itself in a fresh virtual environment.
 
 What requirements.txt installs is read from the installed packages' metadata: each listed
 distribution and, recursively, what it requires (extras left out)."""
@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT
 
 FOLDERS = ("", "experiments", "benchmarks", "tests")
-OPTIONAL = {"lm_eval": "lm-eval"}  # module -> distribution, from requirements-dev.txt
+OPTIONAL = {"lm_eval": "lm-eval", "triton": "triton"}  # module -> distribution, from requirements-dev.txt
 
 
 def readme_block(heading):
@@ -120,15 +120,25 @@ def test_every_third_party_import_comes_with_the_readme_install():
     assert not missing, f"imported but not installed by `{install_command()}`: {missing}"
 
 
+def imported_at_top(rel, module):
+    """Does file `rel` import `module` at module level?"""
+    tree = ast.parse((ROOT / rel).read_text())
+    return any(isinstance(n, (ast.Import, ast.ImportFrom)) and module in ast.unparse(n).replace("import ", " ").split()
+               for n in tree.body)
+
+
 def test_optional_extras_are_imported_only_where_the_tests_skip_without_them():
-    """lm_eval may be absent after the README's install: the files importing it import it
-    inside functions (never at the top of a module), so collection never fails."""
+    """lm_eval and triton may be absent after the README's install: the files importing them
+    import them inside functions, so collection never fails; or at the top of a module that
+    every other file imports only inside functions (kernels_triton.py: the kernels are the
+    module)."""
+    files = [str(p.relative_to(ROOT)) for folder in FOLDERS for p in sorted((ROOT / folder).glob("*.py"))]
     for module in OPTIONAL:
         for rel in third_party_imports().get(module, []):
-            tree = ast.parse((ROOT / rel).read_text())
-            top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-                   and module in ast.unparse(n)]
-            assert not top, f"{rel} imports {module} at module level"
+            if imported_at_top(rel, module):
+                name = Path(rel).stem
+                importers = [f for f in files if f != rel and imported_at_top(f, name)]
+                assert not importers, f"{rel} imports {module} at module level, and {importers} import {name} so"
 
 
 def pytest_options(command):

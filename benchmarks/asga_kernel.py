@@ -1,0 +1,185 @@
+"""asga's pair-gated attention: kernels_triton.py's kernels against FlexAttention's and flash
+SDPA causal, forward + backward, side by side in one run; or, without a GPU, the kernels
+compiled for sm_90 and sm_80 with ptxas's registers and spills for each.
+
+    python benchmarks/asga_kernel.py                       # on a GPU: ms and x SDPA, T = 1024..16384
+    python benchmarks/asga_kernel.py --tiles=64,64,8/32,64,4/64,32,4 --tiles=64,32,4/32,32,4/32,32,4
+    python benchmarks/asga_kernel.py --flex                # FlexAttention's too (its compile: minutes)
+    python benchmarks/asga_kernel.py --compile             # any machine with triton: sm_90 / sm_80 cubins
+
+qwen-134m's attention (12 heads of 64), B = 4, r = 16, bf16 q, k, v and float32 gate terms,
+as asga's attend hands them over. --tiles: (query rows, keys, warps) of the forward / the
+backward over key blocks / over query blocks; each set is one more row per length.
+
+The float32 floor of eq. 1 at these shapes (exact GELU, r = 16): ~1000 instructions per
+visible (query, key) pair forward + backward, so at T = 4096 ~4e11, ~12 ms on an H200; with
+the attention's own, ~8.5x flash SDPA (benchmarks/gpu_runs/h200_2026-11-28b.md).
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+H, D, R, B = 12, 64, 16, 4
+
+
+def parse_tiles(text):
+    """'64,64,8/32,64,4/64,32,4' -> kernels_triton.TILES."""
+    parts = [tuple(int(x) for x in p.split(",")) for p in text.split("/")]
+    if len(parts) != 3 or any(len(p) != 3 for p in parts):
+        raise SystemExit(f"--tiles={text}: want fwd/bwd_kv/bwd_q, each 'rows,keys,warps', e.g. 64,64,8/32,64,4/64,32,4")
+    return dict(fwd=parts[0], bwd_kv=parts[1], bwd_q=parts[2])
+
+
+def inputs(T, device):
+    g = torch.Generator(device).manual_seed(0)
+    x = lambda *s, dtype=torch.bfloat16: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
+    q, k, v = (x(B, H, T, D).requires_grad_(True) for _ in range(3))
+    qt, kt = (x(B, H, T, R, dtype=torch.float32).requires_grad_(True) for _ in range(2))
+    w2 = (0.02 * x(H, R, dtype=torch.float32)).requires_grad_(True)
+    b2 = torch.zeros(H, device=device, requires_grad=True)
+    scale = torch.full((H,), D ** -0.5, device=device, requires_grad=True)
+    return q, k, v, qt, kt, w2, b2, scale
+
+
+def step_fn(fn, args):
+    def step():
+        out = fn(*args)
+        out.float().sum().backward()
+    return step
+
+
+def timed(step, runs=10):
+    """(median ms of runs, the first call's s): CUDA-synchronised wall time."""
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), first
+
+
+def time_rows(lengths, tile_sets, flex):
+    import kernels
+    import kernels_triton
+    print(f"asga_kernel on {torch.cuda.get_device_name()}, torch {torch.__version__}, B={B} H={H} D={D} r={R}, bf16",
+          flush=True)
+    rows = []
+    for T in lengths:
+        q, k, v, qt, kt, w2, b2, scale = inputs(T, "cuda")
+        sdpa, _ = timed(step_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), ()))
+        row = dict(T=T, sdpa=sdpa)
+        for i, tiles in enumerate(tile_sets):
+            kernels_triton.TILES = tiles
+            call = lambda: kernels_triton.pair_gated_attention(q, k, v, qt, kt, w2, b2, scale, 0, 0)  # noqa: E731
+            try:
+                row[f"triton {i}"] = timed(step_fn(call, ()))
+            except Exception as e:  # noqa: BLE001 - a tile set that does not fit says so
+                row[f"triton {i}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            print(f"  T={T} tiles {tiles}: {row[f'triton {i}']}", flush=True)
+        if flex:
+            kernels.ASGA_KERNEL = "flex"
+            call = lambda: kernels.flex_pair_gated_attention(q, k, v, qt, kt, w2, b2, scale, 0, 0)  # noqa: E731
+            row["flex"] = timed(step_fn(call, ()), runs=3)
+            kernels.ASGA_KERNEL = "auto"
+            print(f"  T={T} FlexAttention: {row['flex']}", flush=True)
+        rows.append(row)
+    print("\n| T | flash SDPA ms | " + " | ".join(f"triton {i}: ms (x SDPA), first s" for i in range(len(tile_sets)))
+          + (" | FlexAttention ms (x SDPA), first s" if flex else "") + " |")
+    print("|---" * (2 + len(tile_sets) + flex) + "|")
+    for row in rows:
+        cells = []
+        for key in [f"triton {i}" for i in range(len(tile_sets))] + (["flex"] if flex else []):
+            value = row[key]
+            cells.append(value if isinstance(value, str) else f"{value[0]:.2f} ({value[0] / row['sdpa']:.2f}x), {value[1]:.1f}")
+        print(f"| {row['T']} | {row['sdpa']:.2f} | " + " | ".join(cells) + " |")
+    for i, tiles in enumerate(tile_sets):
+        print(f"triton {i}: tiles {tiles}")
+
+
+def compile_rows(tile_sets, archs=(90, 80), gate_spaces=("logit", "prob")):
+    """Each kernel compiled for each arch (no GPU needed), with ptxas -v's registers and spill
+    bytes: a list of dicts, each printed as a table row."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels_triton as kt
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    print(f"asga_kernel --compile: triton {triton.__version__}, D={D} r={R}, bf16 q, k, v", flush=True)
+    common = dict(Q="*bf16", K="*bf16", V="*bf16", QT="*fp32", KT="*fp32", W2="*fp32", B2="*fp32", SC="*fp32")
+    grads = dict(DO="*bf16", LSE="*fp32", DELTA="*fp32")
+    kernels = dict(
+        fwd=(kt._fwd_kernel, dict(common, O="*bf16", LSE="*fp32")),
+        bwd_kv=(kt._bwd_kv_kernel, dict(common, **grads, DK="*fp32", DV="*fp32", DKT="*fp32")),
+        bwd_q=(kt._bwd_q_kernel, dict(common, **grads, DQ="*fp32", DQT="*fp32", DSC="*fp32", DB2="*fp32", DW2="*fp32")))
+    print("\n| arch | gate space | kernel | tile (rows x keys, warps) | registers | spill stores / loads, bytes | s |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for arch in archs:
+        for space in gate_spaces:
+            for tiles in tile_sets:
+                for name, (fn, pointers) in kernels.items():
+                    BM, BN, warps = tiles[name]
+                    const = dict(D=D, R=R, PROB=space == "prob", IEEE=0, BM=BM, BN=BN)
+                    if name != "fwd":
+                        const["RP"] = R
+                    names = fn.arg_names
+                    signature = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
+                    t0 = time.time()
+                    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in const.items()})
+                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+                    with tempfile.TemporaryDirectory() as tmp:
+                        ptx = Path(tmp) / "kernel.ptx"
+                        ptx.write_text(compiled.asm["ptx"])
+                        gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+                        r = subprocess.run([str(ptxas), "-v", f"--gpu-name={gpu}", str(ptx), "-o", os.devnull],
+                                           capture_output=True, text=True)
+                    regs = re.findall(r"Used (\d+) registers", r.stderr)
+                    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+                    row = dict(arch=arch, gate_space=space, kernel=name, tile=(BM, BN, warps),
+                               registers=int(regs[0]) if regs else None,
+                               spills=tuple(int(x) for x in spills[0]) if spills else None,
+                               cubin_bytes=len(compiled.asm["cubin"]), error=None if regs else r.stderr[-300:])
+                    rows.append(row)
+                    print(f"| sm_{arch} | {space} | {name} | {BM} x {BN}, {warps} | {row['registers']} "
+                          f"| {' / '.join(map(str, row['spills'])) if row['spills'] else row['error']} "
+                          f"| {time.time() - t0:.1f} |", flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--tiles", action="append", help="fwd/bwd_kv/bwd_q tiles, each 'rows,keys,warps' (repeatable); "
+                   "default kernels_triton.TILES")
+    p.add_argument("--flex", action="store_true", help="FlexAttention's kernels too (each length compiles, minutes)")
+    p.add_argument("--compile", action="store_true", help="no GPU needed: compile for sm_90 and sm_80, ptxas's counts")
+    args = p.parse_args(argv)
+    import kernels_triton
+    tile_sets = [parse_tiles(t) for t in args.tiles] if args.tiles else [kernels_triton.TILES]
+    if args.compile:
+        return compile_rows(tile_sets)
+    if not torch.cuda.is_available():
+        raise SystemExit("asga_kernel.py times CUDA kernels: run it on a GPU, or --compile here")
+    time_rows([int(t) for t in args.lengths.split(",")], tile_sets, args.flex)
+
+
+if __name__ == "__main__":
+    main()

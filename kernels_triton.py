@@ -1,0 +1,362 @@
+"""Triton kernels of this project's own, where FlexAttention's generated ones fall short.
+
+asga's pair-gated attention ([ASGA] eqs. 1-3; attention.pair_gated_attention is the
+definition). Through FlexAttention the gate is a score_mod reading 3 r + 2 captured tensors
+that need gradients, and FlexAttention's backward makes each such gradient by an atomic add
+per score: on an H200 at T = 4096 its backward took 212 of 245 ms, 151x flash SDPA
+(benchmarks/gpu_runs/h200_2026-11-28b.md). Here, FlashAttention-2's split:
+
+  forward   one program per (query block, head): the key blocks in turn, the gate recomputed
+            per tile from the r query and key terms, an online softmax; keeps out and LSE.
+  backward  two passes that recompute the tile. Per key block (dk, dv and the key terms'
+            gradients: sums over a tile's rows, kept in registers); per query block (dq and the
+            per-row gradients: query terms, b2, the head scale; w2's a partial sum a block).
+            No atomics; every gradient written once.
+
+The gate, with a = scale * q.k and z = b2 + sum_c w2_c GELU(qt_c + kt_c) (exact GELU):
+  gate_space 'logit' (the paper's eq. 3):   m = a * sigmoid(z)
+  gate_space 'prob'  (this project's):      m = a + log sigmoid(z) - log sigmoid(b2)
+(the constant in 'prob' is kernels.flex_pair_gated_attention's: the softmax ignores it, and
+it keeps b2's gradient from cancelling terms). P = softmax over visible keys of m, out = P v.
+Backward, with dM = P (dP - rowsum(dO * out)):
+  'logit': da = dM sigmoid(z), dz = dM a sigmoid(z) (1 - sigmoid(z)), db2 = sum dz
+  'prob':  da = dM, dz = dM (1 - sigmoid(z)), db2 = sum dM (sigmoid(b2) - sigmoid(z))
+  dqt_c = sum_j dz w2_c GELU'(x_c), dkt_c = sum_i (same), dw2_c = sum_ij dz GELU(x_c).
+
+Imported only where it runs: a CUDA tensor (kernels.flex_pair_gated_attention), or Triton's
+interpreter on CPU tensors (TRITON_INTERPRET=1, tests/test_kernels_triton.py).
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+INV_SQRT2 = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+# (query rows, keys, warps) of each kernel's tile. The gate's r GELUs per score set the
+# registers: these compile for sm_90 and sm_80 without spilling, by ptxas -v
+# (`python benchmarks/asga_kernel.py --compile`: benchmarks/gpu_compile/asga_triton_sm90_sm80_2026-11-28.txt;
+# 32 x 64 backward tiles spill 300-700 bytes on sm_80). Not yet timed on a GPU; the
+# interpreter's tests use smaller ones.
+TILES = dict(fwd=(64, 64, 8), bwd_kv=(32, 32, 4), bwd_q=(32, 32, 4))
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """tl.dot: 0 the inputs' own (bf16 on tensor cores, float32 accumulation); 1 float32 in
+    full precision (TF32 would lose the reference's 1e-5); 2 16-bit inputs widened first, for
+    Triton's interpreter, whose dot misreads them (the products are the same: a bf16 x bf16
+    product is exact in float32)."""
+    if IEEE == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    if IEEE == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+def _precision(dtype):
+    """_dot's IEEE for inputs of this dtype."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if os.environ.get("TRITON_INTERPRET") == "1" else 0
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * INV_SQRT2))
+
+
+@triton.jit
+def _gelu_grad(x):
+    return 0.5 * (1.0 + tl.math.erf(x * INV_SQRT2)) + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def _log_sigmoid(z):
+    return tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))
+
+
+@triton.jit
+def _gate_logit(qt_ptr, kt_ptr, w2_ptr, b2, offs_m, offs_n, T, S, R: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr):
+    """z (BM, BN) float32: b2 + sum_c w2_c GELU(qt[i, c] + kt[j, c]) ([ASGA] eq. 1)."""
+    z = tl.zeros((BM, BN), dtype=tl.float32) + b2
+    for c in range(R):
+        qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
+        kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
+        z += tl.load(w2_ptr + c) * _gelu(qc[:, None] + kc[None, :])
+    return z
+
+
+@triton.jit
+def _tile(q, k, sc, z, b2, offs_m, offs_n, T, S, q_start, k_start, PROB: tl.constexpr, IEEE: tl.constexpr):
+    """(qk, a, sigmoid(z), the modified logits m with invisible pairs at -inf, visible)."""
+    qk = _dot(q, tl.trans(k), IEEE)
+    a = qk * sc
+    sig = tl.sigmoid(z)
+    if PROB:
+        m = a + _log_sigmoid(z) - _log_sigmoid(b2)
+    else:
+        m = a * sig
+    visible = ((q_start + offs_m[:, None]) >= (k_start + offs_n[None, :])) & (offs_m[:, None] < T) & \
+        (offs_n[None, :] < S)
+    return qk, a, sig, tl.where(visible, m, float("-inf")), visible
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, QT, KT, W2, B2, SC, O, LSE, T, S, H, HKV, q_start, k_start,
+                D: tl.constexpr, R: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = b * HKV + h // (H // HKV)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    sc, b2 = tl.load(SC + h), tl.load(B2 + h)
+    qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    hi = tl.minimum(S, q_start + pid_m * BM + BM - k_start)  # past the last key this block sees
+    for n0 in range(0, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        kv_off = kvh * S * D + offs_n[:, None] * D + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=offs_n[:, None] < S, other=0.0)
+        v = tl.load(V + kv_off, mask=offs_n[:, None] < S, other=0.0)
+        z = _gate_logit(qt_ptr, kt_ptr, w2_ptr, b2, offs_m, offs_n, T, S, R, BM, BN)
+        _, _, _, m, _ = _tile(q, k, sc, z, b2, offs_m, offs_n, T, S, q_start, k_start, PROB, IEEE)
+        m_new = tl.maximum(m_i, tl.max(m, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+        p = tl.exp2((m - m_safe[:, None]) * LOG2E)
+        alpha = tl.exp2((m_i - m_safe) * LOG2E)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(O + bh * T * D + offs_m[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=offs_m[:, None] < T)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(LSE + bh * T + offs_m, lse, mask=offs_m < T)
+
+
+@triton.jit
+def _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m, offs_n, T, S, q_start, k_start,
+                   R: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A tile's (qk, p, dM, da, dz) of the backward (module docstring)."""
+    z = _gate_logit(qt_ptr, kt_ptr, w2_ptr, b2, offs_m, offs_n, T, S, R, BM, BN)
+    qk, a, sig, m, visible = _tile(q, k, sc, z, b2, offs_m, offs_n, T, S, q_start, k_start, PROB, IEEE)
+    p = tl.where(visible, tl.exp2((m - lse[:, None]) * LOG2E), 0.0)
+    dp = _dot(do, tl.trans(v), IEEE)
+    dm = p * (dp - delta[:, None])
+    if PROB:
+        da = dm
+        dz = dm * (1.0 - sig)
+    else:
+        da = dm * sig
+        dz = dm * a * sig * (1.0 - sig)
+    return qk, p, dm, da, dz, sig
+
+
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, S, H, HKV, q_start, k_start,
+                   D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = b * HKV + h // (H // HKV)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    kv_off = kvh * S * D + offs_n[:, None] * D + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=offs_n[:, None] < S, other=0.0)
+    v = tl.load(V + kv_off, mask=offs_n[:, None] < S, other=0.0)
+    sc, b2 = tl.load(SC + h), tl.load(B2 + h)
+    qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
+    dk = tl.zeros((BN, D), tl.float32)
+    dv = tl.zeros((BN, D), tl.float32)
+    dkt = tl.zeros((BN, RP), tl.float32)
+    units = tl.arange(0, RP)
+    lo = tl.maximum(0, k_start + pid_n * BN - q_start)  # the first query that sees this block
+    for m0 in range((lo // BM) * BM, T, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+        do = tl.load(DO + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        _, p, _, da, dz, _ = _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m, offs_n,
+                                            T, S, q_start, k_start, R, PROB, IEEE, BM, BN)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+        dk += _dot(tl.trans((da * sc).to(q.dtype)), q, IEEE)
+        for c in range(R):
+            qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
+            kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
+            g = tl.sum(dz * _gelu_grad(qc[:, None] + kc[None, :]), 0) * tl.load(w2_ptr + c)  # (BN,)
+            dkt += tl.where(units[None, :] == c, g[:, None], 0.0)
+    out = bh * S * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, dk, mask=offs_n[:, None] < S)
+    tl.store(DV + out, dv, mask=offs_n[:, None] < S)
+    tl.store(DKT + bh * S * R + offs_n[:, None] * R + units[None, :], dkt,
+             mask=(offs_n[:, None] < S) & (units[None, :] < R))
+
+
+@triton.jit
+def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2, DW2, T, S, H, HKV, q_start, k_start,
+                  D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = b * HKV + h // (H // HKV)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    row = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
+    q = tl.load(Q + row, mask=offs_m[:, None] < T, other=0.0)
+    do = tl.load(DO + row, mask=offs_m[:, None] < T, other=0.0)
+    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    sc, b2 = tl.load(SC + h), tl.load(B2 + h)
+    qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
+    dq = tl.zeros((BM, D), tl.float32)
+    dqt = tl.zeros((BM, RP), tl.float32)
+    dw2 = tl.zeros((RP,), tl.float32)
+    dsc = tl.zeros((BM,), tl.float32)
+    db2 = tl.zeros((BM,), tl.float32)
+    units = tl.arange(0, RP)
+    hi = tl.minimum(S, q_start + pid_m * BM + BM - k_start)
+    for n0 in range(0, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        kv_off = kvh * S * D + offs_n[:, None] * D + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=offs_n[:, None] < S, other=0.0)
+        v = tl.load(V + kv_off, mask=offs_n[:, None] < S, other=0.0)
+        qk, _, dm, da, dz, sig = _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m,
+                                                offs_n, T, S, q_start, k_start, R, PROB, IEEE, BM, BN)
+        dq += _dot((da * sc).to(k.dtype), k, IEEE)
+        dsc += tl.sum(da * qk, 1)
+        if PROB:
+            db2 += tl.sum(dm * (tl.sigmoid(b2) - sig), 1)
+        else:
+            db2 += tl.sum(dz, 1)
+        for c in range(R):
+            qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
+            kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
+            x = qc[:, None] + kc[None, :]
+            g = tl.sum(dz * _gelu_grad(x), 1) * tl.load(w2_ptr + c)  # (BM,)
+            dqt += tl.where(units[None, :] == c, g[:, None], 0.0)
+            dw2 += tl.where(units == c, tl.sum(tl.sum(dz * _gelu(x), 1), 0), 0.0)
+    tl.store(DQ + row, dq, mask=offs_m[:, None] < T)
+    tl.store(DQT + bh * T * R + offs_m[:, None] * R + units[None, :], dqt,
+             mask=(offs_m[:, None] < T) & (units[None, :] < R))
+    tl.store(DSC + bh * T + offs_m, dsc, mask=offs_m < T)
+    tl.store(DB2 + bh * T + offs_m, db2, mask=offs_m < T)
+    tl.store(DW2 + (bh * tl.num_programs(0) + pid_m) * RP + units, dw2)
+
+
+def _launch_args(q, k):
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    return B, H, T, D, Hkv, S
+
+
+def forward(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, prob):
+    """(out (B, H, T, D) in q's dtype, lse (B, H, T) float32, natural log, -inf where a row
+    sees no key, whose output is 0 as FlexAttention's). q (B, H, T, D); k, v (B, Hkv, S, D),
+    one dtype; q_term (B, H, T, r), k_term (B, H, S, r), w2 (H, r), b2 (H,), scale (H,):
+    float32; all contiguous."""
+    B, H, T, D, Hkv, S = _launch_args(q, k)
+    BM, BN, warps = TILES["fwd"]
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    _fwd_kernel[(triton.cdiv(T, BM), B * H)](
+        q, k, v, q_term, k_term, w2, b2, scale, out, lse, T, S, H, Hkv, q_start, k_start,
+        D=D, R=q_term.shape[-1], PROB=prob, IEEE=_precision(q.dtype), BM=BM, BN=BN, num_warps=warps)
+    return out, lse
+
+
+def backward(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_start, prob):
+    """The gradients of forward's inputs, float32: dq, dk, dv (dk, dv summed over each key
+    head's query heads), dq_term, dk_term, dw2, db2, dscale."""
+    B, H, T, D, Hkv, S = _launch_args(q, k)
+    R = q_term.shape[-1]
+    RP = triton.next_power_of_2(R)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = do.contiguous().to(q.dtype)
+    delta = (do.float() * out.float()).sum(-1)  # (B, H, T): rowsum(dO * out)
+    const = dict(D=D, R=R, RP=RP, PROB=prob, IEEE=_precision(q.dtype))
+    BM, BN, warps = TILES["bwd_kv"]
+    dk, dv = torch.empty(B, H, S, D, **f32), torch.empty(B, H, S, D, **f32)
+    dkt = torch.empty(B, H, S, R, **f32)
+    _bwd_kv_kernel[(triton.cdiv(S, BN), B * H)](
+        q, k, v, q_term, k_term, w2, b2, scale, do, lse, delta, dk, dv, dkt, T, S, H, Hkv, q_start, k_start,
+        **const, BM=BM, BN=BN, num_warps=warps)
+    BM, BN, warps = TILES["bwd_q"]
+    n_m = triton.cdiv(T, BM)
+    dq, dqt = torch.empty(B, H, T, D, **f32), torch.empty(B, H, T, R, **f32)
+    dsc, db2 = torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32)
+    dw2 = torch.empty(B, H, n_m, RP, **f32)  # a partial sum per query block: no atomics
+    _bwd_q_kernel[(n_m, B * H)](
+        q, k, v, q_term, k_term, w2, b2, scale, do, lse, delta, dq, dqt, dsc, db2, dw2, T, S, H, Hkv,
+        q_start, k_start, **const, BM=BM, BN=BN, num_warps=warps)
+    if Hkv != H:  # each key head's gradient sums its query heads'
+        dk, dv = (t.view(B, Hkv, H // Hkv, S, D).sum(2) for t in (dk, dv))
+    return dq, dk, dv, dqt, dkt, dw2.sum((0, 2))[:, :R], db2.sum((0, 2)), dsc.sum((0, 2))
+
+
+# As custom ops, so a compiled model (train.py compiles each block) calls the kernels as they
+# are, without tracing into them.
+@torch.library.custom_op("attention_gym_lm::asga_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_term: torch.Tensor, k_term: torch.Tensor,
+                w2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor, q_start: int, k_start: int,
+                prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, prob)
+
+
+@_forward_op.register_fake
+def _(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, prob):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("attention_gym_lm::asga_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_term: torch.Tensor,
+                 k_term: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, q_start: int, k_start: int, prob: bool) -> list[torch.Tensor]:
+    return list(backward(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_start, prob))
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_start, prob):
+    return [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v, q_term, k_term, w2, b2, scale)]
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, q_start, k_start, prob = inputs
+    ctx.save_for_backward(*tensors, *output)
+    ctx.meta = (q_start, k_start, prob)
+
+
+def _backward(ctx, do, dlse):
+    saved = ctx.saved_tensors
+    grads = _backward_op(do, *saved, *ctx.meta)
+    return (*(g.to(t.dtype) for g, t in zip(grads, saved)), None, None, None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, gate_space="logit"):
+    """attention.pair_gated_attention's signature (scale a float or a (H,) tensor) for q, k, v
+    of one dtype (bf16 under autocast); the gate's terms and weights run in float32."""
+    if not torch.is_tensor(scale):
+        scale = torch.full((q.shape[1],), float(scale), device=q.device)
+    terms = [t.float().contiguous() for t in (q_term, k_term, w2, b2, scale)]
+    out, _ = _forward_op(q.contiguous(), k.contiguous(), v.contiguous(), *terms, int(q_start), int(k_start),
+                         gate_space == "prob")
+    return out
+
+
+def unsupported(q):
+    """Why this kernel cannot take q, or None: tl.dot wants a power-of-two head dim >= 16."""
+    D = q.shape[-1]
+    return None if D >= 16 and D & (D - 1) == 0 else f"head_dim {D} is not a power of two >= 16"
