@@ -1263,22 +1263,45 @@ def _index_scores(q_idx, k_idx, w, q_start, k_start):
 TOP_N_NARROWED, TOP_N_NARROWED_CALL = 8, 1 << 17
 
 
-def _top_n(scores, n, narrow=False):
+# _top_n(maxima=True) (FLEX's) takes n <= TOP_N_BY_MAXIMA as n running maxima of the key: on an
+# H200, moba's top-3 through torch.topk (a radix select over int64 keys) was 9.4 of 26.8 ms of
+# its core at T = 16384 (benchmarks/gpu_runs/h200_2026-11-28b.md); n reductions, each fused
+# with the key's making in a compiled block, read the scores n times instead.
+TOP_N_BY_MAXIMA = 4
+
+
+def _top_n(scores, n, narrow=False, maxima=False):
     """attention.top_n: each row's n highest scores' indices, highest first, ties to the higher
     index, -1 where the score is -inf; one top-k over the same (score, index) key, built in
     place in one int64 buffer (each fresh buffer of the size of the scores costs a pass).
     narrow: on a CPU, rows much longer than n are first narrowed to their candidates
-    (`_top_n_narrowed`)."""
+    (`_top_n_narrowed`). maxima: n <= TOP_N_BY_MAXIMA as n maxima of the key, each below the
+    last (every key is distinct: it holds its index), in place of the top-k."""
     S = scores.shape[-1]
     if narrow and scores.device.type == "cpu" and S >= TOP_N_NARROWED * n and scores.numel() >= TOP_N_NARROWED_CALL:
         return _top_n_narrowed(scores, n)
     if S < n:
         scores = F.pad(scores, (0, n - S), value=NEG_INF)
+    if maxima and n <= TOP_N_BY_MAXIMA:
+        return _top_n_by_maxima(scores, n)
     key = (scores.detach().float() + 0.0).view(torch.int32).long()  # -0.0 made 0.0; sign-extended
     key ^= (key >> 31) & 0x7FFFFFFF  # negative floats: their 31 magnitude bits flipped
     key <<= 32
     key |= torch.arange(scores.shape[-1], device=scores.device)
     top = key.topk(n, dim=-1).indices
+    return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
+
+
+def _top_n_by_maxima(scores, n):
+    """_top_n's result as n maxima of the (score, index) key, the i-th the largest key below
+    the (i-1)-th: the key is attention.top_n's, so the order and the ties are too."""
+    bits = (scores.detach().float() + 0.0).view(torch.int32)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() << 32) | torch.arange(scores.shape[-1], device=scores.device)
+    floor = torch.iinfo(torch.long).min
+    tops = [key.amax(-1)]
+    for _ in range(n - 1):
+        tops.append(torch.where(key < tops[-1][..., None], key, floor).amax(-1))
+    top = torch.stack(tops, -1) & 0xFFFFFFFF  # the index: the key's low 32 bits
     return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
 
 
@@ -2019,7 +2042,8 @@ FLEX = Ops(
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
     compressed_branch=flex_compressed_branch,
-    indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)
+    indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate,
+    top_n=functools.partial(_top_n, maxima=True))
 
 
 # ---------------------------------------------------------------------------- DECODE: a few query rows against a long KV cache

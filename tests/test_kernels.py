@@ -754,6 +754,28 @@ def test_narrowed_top_n_is_attention_top_n(kind, shape, n):
     assert torch.equal(kernels._top_n(x, n, narrow=True), attention.top_n(x, n))
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "tail", "no finite", "signed zeros", "fewer than n"])
+@pytest.mark.parametrize("shape,n", [((2, 7, 300), 3), ((5, 1000), 4), ((4, 2), 3), ((3, 50), 1)])
+def test_top_n_by_maxima_is_attention_top_n(kind, shape, n):
+    """FLEX's top-n of a few (moba's 3 blocks): n running maxima of the (score, index) key
+    return attention.top_n exactly: order, ties to the higher index, -1 for -inf, rows
+    shorter than n padded."""
+    x = _top_n_rows(kind, shape, n, torch.Generator().manual_seed(len(kind) + n))
+    assert torch.equal(kernels._top_n_by_maxima(x, n) if shape[-1] >= n else kernels._top_n(x, n, maxima=True),
+                       attention.top_n(x, n))
+    assert torch.equal(kernels.FLEX.top_n(x, n), attention.top_n(x, n))
+
+
+def test_flex_takes_the_maxima_for_a_few_and_the_top_k_for_more(monkeypatch):
+    taken = []
+    monkeypatch.setattr(kernels, "_top_n_by_maxima", lambda s, n: taken.append(n) or attention.top_n(s, n))
+    x = torch.randn(3, 64)
+    kernels.FLEX.top_n(x, kernels.TOP_N_BY_MAXIMA)
+    kernels.FLEX.top_n(x, kernels.TOP_N_BY_MAXIMA + 1)  # nsa's 16: the top-k
+    kernels.BLOCKWISE.top_n(x, 3)  # the CPU's: its own chunked top-k
+    assert taken == [kernels.TOP_N_BY_MAXIMA]
+
+
 def test_top_n_narrows_large_cpu_calls_of_long_rows(monkeypatch):
     taken = []
     monkeypatch.setattr(kernels, "_top_n_narrowed", lambda s, n: taken.append(s.shape) or attention.top_n(s, n))
