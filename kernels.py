@@ -1284,23 +1284,25 @@ def _top_n(scores, n, narrow=False, maxima=False):
         scores = F.pad(scores, (0, n - S), value=NEG_INF)
     if maxima and n <= TOP_N_BY_MAXIMA:
         return _top_n_by_maxima(scores, n)
+    top = _order_key(scores).topk(n, dim=-1).indices
+    return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
+
+
+def _order_key(scores):
+    """attention.top_n's int64 key of each score, (score's ordered bits, index), built in place."""
     key = (scores.detach().float() + 0.0).view(torch.int32).long()  # -0.0 made 0.0; sign-extended
     key ^= (key >> 31) & 0x7FFFFFFF  # negative floats: their 31 magnitude bits flipped
     key <<= 32
-    key |= torch.arange(scores.shape[-1], device=scores.device)
-    top = key.topk(n, dim=-1).indices
-    return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
+    return key.bitwise_or_(torch.arange(scores.shape[-1], device=scores.device))
 
 
 def _top_n_by_maxima(scores, n):
     """_top_n's result as n maxima of the (score, index) key, the i-th the largest key below
     the (i-1)-th: the key is attention.top_n's, so the order and the ties are too."""
-    bits = (scores.detach().float() + 0.0).view(torch.int32)
-    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() << 32) | torch.arange(scores.shape[-1], device=scores.device)
-    floor = torch.iinfo(torch.long).min
+    key = _order_key(scores)
     tops = [key.amax(-1)]
-    for _ in range(n - 1):
-        tops.append(torch.where(key < tops[-1][..., None], key, floor).amax(-1))
+    for _ in range(n - 1):  # the maxima found so far out, in place (a copy of the key is a pass)
+        tops.append(key.masked_fill_(key >= tops[-1][..., None], torch.iinfo(torch.long).min).amax(-1))
     top = torch.stack(tops, -1) & 0xFFFFFFFF  # the index: the key's low 32 bits
     return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
 
