@@ -41,7 +41,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from contextlib import nullcontext
 
 import torch
@@ -444,6 +446,23 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+def print_stacks_every(seconds):
+    """A daemon thread that prints the main thread's Python stack to stderr every `seconds`
+    (under the GIL, from sys._current_frames: faulthandler's watchdog crashed a run that was
+    importing)."""
+    main_id, t0 = threading.main_thread().ident, time.time()
+
+    def watch():
+        while True:
+            time.sleep(seconds)
+            frame = sys._current_frames().get(main_id)
+            if frame is not None:
+                print(f"--- gpu_check at {time.time() - t0:.0f} s, the main thread:\n"
+                      + "".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (the default without CUDA)")
@@ -453,6 +472,9 @@ def main(argv=None):
     parser.add_argument("--lengths", help="comma-separated sequence lengths for the attention step "
                         "(default: the shape's, 1024..8192 on a GPU)")
     parser.add_argument("--steps", type=int, help="timed training steps per configuration (default: the shape's)")
+    parser.add_argument("--stacks_every", type=float, help="print every thread's Python stack to stderr every this many "
+                        "seconds (faulthandler): where a step that runs past its timeout spends its time (compiling "
+                        "which graph, or running)")
     parser.add_argument("--train_T", type=int, help="the training step's sequence length (default: the shape's, "
                         "1024 on a GPU); the batch shrinks to keep the tokens of a step (16 x 1024 on a GPU)")
     parser.add_argument("--profile", action="store_true", help="where the time goes, instead of the three steps: "
@@ -463,6 +485,8 @@ def main(argv=None):
                         "many seconds of the budget left (its compile and steps; a row cut short by a timeout "
                         "loses only itself: rows are saved as they finish)")
     args = parser.parse_args(argv)
+    if args.stacks_every:
+        print_stacks_every(args.stacks_every)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         tf32_matmuls()  # as train.py runs

@@ -187,6 +187,17 @@ def test_gpu_check_train_T_keeps_the_tokens_of_a_step(tmp_path):
     assert (row["T"], row["batch"]) == (32, 8) and row["tok_s"] > 0, row
     assert "| full | 32 x 8 |" in out.with_suffix(".md").read_text()
 
+
+def test_gpu_check_stacks_every_prints_where_a_step_is(tmp_path):
+    """--stacks_every=S prints every thread's Python stack to stderr each S seconds (a step
+    that ran past its timeout on a GPU printed nothing but its header): the stacks name the
+    project's frames."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--skip=training",
+                        "--only=nsa", "--stacks_every=0.2", f"--out={tmp_path / 's.json'}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "the main thread:" in r.stderr and "gpu_check.py" in r.stderr, r.stderr[-2000:]
+
 def test_gpu_check_frees_a_failed_configuration_before_the_next(monkeypatch):
     """A training row that fails in its step (on an H100: the indexer out of memory) must not
     keep its model and optimizer alive into the next configuration, whose preflight then ran
