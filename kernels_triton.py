@@ -75,6 +75,13 @@ def _gelu_grad(x):
 
 
 @triton.jit
+def _gelu_and_grad(x):
+    """(GELU(x), GELU'(x)) from one erf."""
+    cdf = 0.5 * (1.0 + tl.math.erf(x * INV_SQRT2))
+    return x * cdf, cdf + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
 def _log_sigmoid(z):
     return tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))
 
@@ -242,10 +249,10 @@ def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2
         for c in range(R):
             qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
             kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
-            x = qc[:, None] + kc[None, :]
-            g = tl.sum(dz * _gelu_grad(x), 1) * tl.load(w2_ptr + c)  # (BM,)
+            gelu, gelu_grad = _gelu_and_grad(qc[:, None] + kc[None, :])
+            g = tl.sum(dz * gelu_grad, 1) * tl.load(w2_ptr + c)  # (BM,)
             dqt += tl.where(units[None, :] == c, g[:, None], 0.0)
-            dw2 += tl.where(units == c, tl.sum(tl.sum(dz * _gelu(x), 1), 0), 0.0)
+            dw2 += tl.where(units == c, tl.sum(tl.sum(dz * gelu, 1), 0), 0.0)
     tl.store(DQ + row, dq, mask=offs_m[:, None] < T)
     tl.store(DQT + bh * T * R + offs_m[:, None] * R + units[None, :], dqt,
              mask=(offs_m[:, None] < T) & (units[None, :] < R))
