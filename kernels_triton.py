@@ -308,7 +308,8 @@ def backward(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_st
         q_start, k_start, **const, BM=BM, BN=BN, num_warps=warps)
     if Hkv != H:  # each key head's gradient sums its query heads'
         dk, dv = (t.view(B, Hkv, H // Hkv, S, D).sum(2) for t in (dk, dv))
-    return dq, dk, dv, dqt, dkt, dw2.sum((0, 2))[:, :R], db2.sum((0, 2)), dsc.sum((0, 2))
+    # Each contiguous, as the op's fake implementation (what a compiled graph plans with) says.
+    return dq, dk, dv, dqt, dkt, dw2.sum((0, 2))[:, :R].contiguous(), db2.sum((0, 2)), dsc.sum((0, 2))
 
 
 # As custom ops, so a compiled model (train.py compiles each block) calls the kernels as they
