@@ -21,7 +21,8 @@ it keeps b2's gradient from cancelling terms). P = softmax over visible keys of 
 Backward, with dM = P (dP - rowsum(dO * out)):
   'logit': da = dM sigmoid(z), dz = dM a sigmoid(z) (1 - sigmoid(z)), db2 = sum dz
   'prob':  da = dM, dz = dM (1 - sigmoid(z)), db2 = sum dM (sigmoid(b2) - sigmoid(z))
-  dqt_c = sum_j dz w2_c GELU'(x_c), dkt_c = sum_i (same), dw2_c = sum_ij dz GELU(x_c).
+  dqt_c = sum_j dz w2_c GELU'(x_c), dkt_c = sum_i (same), dw2_c = sum_ij dz GELU(x_c),
+  dscale = sum_ij da q.k; dq, dk from da * scale, dv from P, as in any attention.
 
 Imported only where it runs: a CUDA tensor (kernels.flex_pair_gated_attention), or Triton's
 interpreter on CPU tensors (TRITON_INTERPRET=1, tests/test_kernels_triton.py).
