@@ -59,44 +59,49 @@ def step_fn(fn, args):
     return step
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(step, runs=10):
     """(median ms of runs, the first call's s): CUDA-synchronised wall time."""
     t0 = time.perf_counter()
     step()
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t0
     times = []
     for _ in range(runs):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times), first
 
 
-def time_rows(lengths, tile_sets, flex):
+def time_rows(lengths, tile_sets, flex, device="cuda", runs=10):
     import kernels
     import kernels_triton
-    print(f"asga_kernel on {torch.cuda.get_device_name()}, torch {torch.__version__}, B={B} H={H} D={D} r={R}, bf16",
-          flush=True)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton's interpreter: the script checked, not timed)"
+    print(f"asga_kernel on {name}, torch {torch.__version__}, B={B} H={H} D={D} r={R}, bf16", flush=True)
     rows = []
     for T in lengths:
-        q, k, v, qt, kt, w2, b2, scale = inputs(T, "cuda")
-        sdpa, _ = timed(step_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), ()))
+        q, k, v, qt, kt, w2, b2, scale = inputs(T, device)
+        sdpa, _ = timed(step_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), ()), runs)
         row = dict(T=T, sdpa=sdpa)
         for i, tiles in enumerate(tile_sets):
             kernels_triton.TILES = tiles
             call = lambda: kernels_triton.pair_gated_attention(q, k, v, qt, kt, w2, b2, scale, 0, 0)  # noqa: E731
             try:
-                row[f"triton {i}"] = timed(step_fn(call, ()))
+                row[f"triton {i}"] = timed(step_fn(call, ()), runs)
             except Exception as e:  # noqa: BLE001 - a tile set that does not fit says so
                 row[f"triton {i}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
             print(f"  T={T} tiles {tiles}: {row[f'triton {i}']}", flush=True)
         if flex:
             kernels.ASGA_KERNEL = "flex"
             call = lambda: kernels.flex_pair_gated_attention(q, k, v, qt, kt, w2, b2, scale, 0, 0)  # noqa: E731
-            row["flex"] = timed(step_fn(call, ()), runs=3)
+            row["flex"] = timed(step_fn(call, ()), min(runs, 3))
             kernels.ASGA_KERNEL = "auto"
             print(f"  T={T} FlexAttention: {row['flex']}", flush=True)
         rows.append(row)
@@ -171,14 +176,17 @@ def main(argv=None):
                    "default kernels_triton.TILES")
     p.add_argument("--flex", action="store_true", help="FlexAttention's kernels too (each length compiles, minutes)")
     p.add_argument("--compile", action="store_true", help="no GPU needed: compile for sm_90 and sm_80, ptxas's counts")
+    p.add_argument("--runs", type=int, default=10, help="timed steps per row (the median)")
     args = p.parse_args(argv)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # this script's own check, on CPU tensors
+    if not (args.compile or torch.cuda.is_available() or interpreted):
+        raise SystemExit("asga_kernel.py times CUDA kernels: run it on a GPU, or --compile here")
     import kernels_triton
     tile_sets = [parse_tiles(t) for t in args.tiles] if args.tiles else [kernels_triton.TILES]
     if args.compile:
         return compile_rows(tile_sets)
-    if not torch.cuda.is_available():
-        raise SystemExit("asga_kernel.py times CUDA kernels: run it on a GPU, or --compile here")
-    time_rows([int(t) for t in args.lengths.split(",")], tile_sets, args.flex)
+    time_rows([int(t) for t in args.lengths.split(",")], tile_sets, args.flex,
+              "cuda" if torch.cuda.is_available() else "cpu", args.runs)
 
 
 if __name__ == "__main__":
