@@ -71,11 +71,6 @@ def _gelu(x):
 
 
 @triton.jit
-def _gelu_grad(x):
-    return 0.5 * (1.0 + tl.math.erf(x * INV_SQRT2)) + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
-
-
-@triton.jit
 def _gelu_and_grad(x):
     """(GELU(x), GELU'(x)) from one erf."""
     cdf = 0.5 * (1.0 + tl.math.erf(x * INV_SQRT2))
@@ -88,14 +83,26 @@ def _log_sigmoid(z):
 
 
 @triton.jit
+def _unit_input(qt_ptr, kt_ptr, offs_m, offs_n, T, S, R: tl.constexpr, c):
+    """x (BM, BN): hidden unit c's input qt[i, c] + kt[j, c] ([ASGA] eq. 1's W1 [LN q; LN k] + b1)."""
+    qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
+    kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
+    return qc[:, None] + kc[None, :]
+
+
+@triton.jit
+def _row_block(X, bh, offs_m, offs_d, T, D: tl.constexpr):
+    """Rows offs_m of head bh's (T, D) slice of X, zeros past T."""
+    return tl.load(X + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+
+
+@triton.jit
 def _gate_logit(qt_ptr, kt_ptr, w2_ptr, b2, offs_m, offs_n, T, S, R: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr):
     """z (BM, BN) float32: b2 + sum_c w2_c GELU(qt[i, c] + kt[j, c]) ([ASGA] eq. 1)."""
     z = tl.zeros((BM, BN), dtype=tl.float32) + b2
     for c in range(R):
-        qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
-        kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
-        z += tl.load(w2_ptr + c) * _gelu(qc[:, None] + kc[None, :])
+        z += tl.load(w2_ptr + c) * _gelu(_unit_input(qt_ptr, kt_ptr, offs_m, offs_n, T, S, R, c))
     return z
 
 
@@ -123,7 +130,7 @@ def _fwd_kernel(Q, K, V, QT, KT, W2, B2, SC, O, LSE, T, S, H, HKV, q_start, k_st
     kvh = b * HKV + h // (H // HKV)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    q = _row_block(Q, bh, offs_m, offs_d, T, D)
     sc, b2 = tl.load(SC + h), tl.load(B2 + h)
     qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
     m_i = tl.full((BM,), float("-inf"), tl.float32)
@@ -132,9 +139,7 @@ def _fwd_kernel(Q, K, V, QT, KT, W2, B2, SC, O, LSE, T, S, H, HKV, q_start, k_st
     hi = tl.minimum(S, q_start + pid_m * BM + BM - k_start)  # past the last key this block sees
     for n0 in range(0, hi, BN):
         offs_n = n0 + tl.arange(0, BN)
-        kv_off = kvh * S * D + offs_n[:, None] * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=offs_n[:, None] < S, other=0.0)
-        v = tl.load(V + kv_off, mask=offs_n[:, None] < S, other=0.0)
+        k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
         z = _gate_logit(qt_ptr, kt_ptr, w2_ptr, b2, offs_m, offs_n, T, S, R, BM, BN)
         _, _, _, m, _ = _tile(q, k, sc, z, b2, offs_m, offs_n, T, S, q_start, k_start, PROB, IEEE)
         m_new = tl.maximum(m_i, tl.max(m, 1))
@@ -179,9 +184,7 @@ def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, 
     kvh = b * HKV + h // (H // HKV)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
-    kv_off = kvh * S * D + offs_n[:, None] * D + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=offs_n[:, None] < S, other=0.0)
-    v = tl.load(V + kv_off, mask=offs_n[:, None] < S, other=0.0)
+    k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
     sc, b2 = tl.load(SC + h), tl.load(B2 + h)
     qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
     dk = tl.zeros((BN, D), tl.float32)
@@ -191,8 +194,7 @@ def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, 
     lo = tl.maximum(0, k_start + pid_n * BN - q_start)  # the first query that sees this block
     for m0 in range((lo // BM) * BM, T, BM):
         offs_m = m0 + tl.arange(0, BM)
-        q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
-        do = tl.load(DO + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+        q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
         lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
         delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
         _, p, _, da, dz, _ = _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m, offs_n,
@@ -200,9 +202,8 @@ def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, 
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans((da * sc).to(q.dtype)), q, IEEE)
         for c in range(R):
-            qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
-            kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
-            g = tl.sum(dz * _gelu_grad(qc[:, None] + kc[None, :]), 0) * tl.load(w2_ptr + c)  # (BN,)
+            _, gelu_grad = _gelu_and_grad(_unit_input(qt_ptr, kt_ptr, offs_m, offs_n, T, S, R, c))
+            g = tl.sum(dz * gelu_grad, 0) * tl.load(w2_ptr + c)  # (BN,)
             dkt += tl.where(units[None, :] == c, g[:, None], 0.0)
     out = bh * S * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, dk, mask=offs_n[:, None] < S)
@@ -220,9 +221,7 @@ def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2
     kvh = b * HKV + h // (H // HKV)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    row = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + row, mask=offs_m[:, None] < T, other=0.0)
-    do = tl.load(DO + row, mask=offs_m[:, None] < T, other=0.0)
+    q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
     lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
     sc, b2 = tl.load(SC + h), tl.load(B2 + h)
@@ -236,9 +235,7 @@ def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2
     hi = tl.minimum(S, q_start + pid_m * BM + BM - k_start)
     for n0 in range(0, hi, BN):
         offs_n = n0 + tl.arange(0, BN)
-        kv_off = kvh * S * D + offs_n[:, None] * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=offs_n[:, None] < S, other=0.0)
-        v = tl.load(V + kv_off, mask=offs_n[:, None] < S, other=0.0)
+        k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
         qk, _, dm, da, dz, sig = _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m,
                                                 offs_n, T, S, q_start, k_start, R, PROB, IEEE, BM, BN)
         dq += _dot((da * sc).to(k.dtype), k, IEEE)
@@ -248,13 +245,11 @@ def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2
         else:
             db2 += tl.sum(dz, 1)
         for c in range(R):
-            qc = tl.load(qt_ptr + offs_m * R + c, mask=offs_m < T, other=0.0)
-            kc = tl.load(kt_ptr + offs_n * R + c, mask=offs_n < S, other=0.0)
-            gelu, gelu_grad = _gelu_and_grad(qc[:, None] + kc[None, :])
+            gelu, gelu_grad = _gelu_and_grad(_unit_input(qt_ptr, kt_ptr, offs_m, offs_n, T, S, R, c))
             g = tl.sum(dz * gelu_grad, 1) * tl.load(w2_ptr + c)  # (BM,)
             dqt += tl.where(units[None, :] == c, g[:, None], 0.0)
             dw2 += tl.where(units == c, tl.sum(tl.sum(dz * gelu, 1), 0), 0.0)
-    tl.store(DQ + row, dq, mask=offs_m[:, None] < T)
+    tl.store(DQ + bh * T * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=offs_m[:, None] < T)
     tl.store(DQT + bh * T * R + offs_m[:, None] * R + units[None, :], dqt,
              mask=(offs_m[:, None] < T) & (units[None, :] < R))
     tl.store(DSC + bh * T + offs_m, dsc, mask=offs_m < T)
