@@ -2300,13 +2300,13 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     key_offset(q, k, q_start, k_start)
     q, k, v = _same_dtype(q, k, v)
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     h = (torch.arange(H, device=q.device) // (H // Hkv)).view(1, H, 1, 1)  # each query head's key head
     k_table, k_rows, v_table, v_rows, pos = _cached_kv_rows(k, v, b, h, blocks * block - k_start, block)  # the blocks alone
-    q_pos = q_start + torch.arange(T, device=q.device)[:, None, None]
-    ok = ((blocks >= 0) & ~repeated(blocks))[..., None] & ((pos + k_start) // block == blocks[..., None])
-    ok = ok & (pos >= 0) & (pos < S) & (pos + k_start <= q_pos)  # (B, H, T, n, block): a key of the block, cached, seen
+    q_pos = q_start - k_start + torch.arange(T, device=q.device)[:, None, None]  # each query as a key index
+    ok = ((blocks >= 0) & ~repeated(blocks))[..., None]
+    ok = ok & (pos >= 0) & (pos <= q_pos)  # (B, H, T, n, block): a key of a listed block, cached and seen (so < S)
     m = ok.shape[3] * block
     logits = GatheredDots.run(q.reshape(B * H * T, D), k_table, k_rows.reshape(-1, m)).view(B, H, T, m) * scale
     p = _softmax_or_zero(logits, ok.flatten(3, 4))

@@ -95,6 +95,49 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DecodeLinear(nn.Linear):
+    """nn.Linear whose decode-sized products on a CPU run through oneDNN's linear
+    (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU code calls) instead of MKL's:
+    at most ROWS rows, float32, no gradient, outside autocast and torch.compile. A step's
+    products over qwen-134m's weights (2 layers, one thread) took 0.82x MKL's time at batch 1
+    and 0.87x at batch 8 on this project's CPU, side by side (benchmarks/decode_cpu.md), and
+    they are the floor under every variant's step; every larger call, every gradient and
+    every GPU runs F.linear, as does any CPU whose torch lacks the op (said once).
+    Model turns its nn.Linear modules into this class in place (the same parameters, ties
+    and state_dict keys), so attention.py reads as nn.Linear; which ran is said once."""
+    ROWS = 64
+    usable = None  # whether this torch has the op (checked at the first decode-sized call)
+    path = None
+
+    def forward(self, x):
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.numel() <= self.ROWS * x.shape[-1] and not torch.is_grad_enabled()
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+                and self._usable()):
+            try:
+                y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+                DecodeLinear._say("oneDNN (torch.ops.mkldnn._linear_pointwise)")
+                return y
+            except RuntimeError as e:  # an input oneDNN refuses: this call and the next through F.linear
+                DecodeLinear.usable = False
+                DecodeLinear._say(f"F.linear (oneDNN refused: {str(e).strip().splitlines()[0][:160]})")
+        return F.linear(x, self.weight, self.bias)
+
+    @classmethod
+    def _usable(cls):
+        if cls.usable is None:
+            cls.usable = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            if not cls.usable:
+                cls._say("F.linear (this torch has no oneDNN linear)")
+        return cls.usable
+
+    @classmethod
+    def _say(cls, path):
+        if cls.path != path:
+            cls.path = path
+            print(f"model.py: decode-sized linear products on a CPU: {path}", flush=True)
+
+
 class Rows:
     """Rows of positions start .. end - 1 along dim -2 of a tensor grown in place: a step
     writes its rows into spare capacity, never copying what is held (`torch.cat` per token
@@ -273,6 +316,9 @@ class Model(nn.Module):
                 nn.init.zeros_(p)
         for layer in self.layers:
             layer.self_attn.init_gates()
+        for module in self.modules():  # decode-sized CPU products through oneDNN (DecodeLinear)
+            if type(module) is nn.Linear:
+                module.__class__ = DecodeLinear
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

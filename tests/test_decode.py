@@ -293,3 +293,33 @@ def test_decoding_through_the_compiled_gathered_rows_equals_recomputation(name):
         assert kernels.GatheredDots.path == "compiled (torch.compile)", kernels.GatheredDots.path
     finally:
         kernels.GatheredDots.COMPILE = old
+
+
+def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
+    """Every nn.Linear of a Model is a DecodeLinear (the same parameters, ties and state_dict
+    keys); a no-grad float32 call of a few rows on a CPU runs oneDNN's linear and says so, and
+    equals F.linear; a call with a gradient, or of more rows, is F.linear itself."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**SIZES, attn="nsa", kernel="fused"))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is model_module.DecodeLinear for m in linears)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    fresh = Model(ModelConfig(**SIZES, attn="nsa", kernel="fused"))
+    assert fresh.load_state_dict(model.state_dict()) is not None
+    layer = model.layers[0].self_attn.branch_gate  # a bias too
+    x = torch.randn(3, 1, layer.in_features)
+    model_module.DecodeLinear.path = None
+    with torch.no_grad():
+        y = layer(x)
+    assert "oneDNN" in capsys.readouterr().out
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
+        layer(x)  # a gradient: F.linear
+        with torch.no_grad():
+            layer(torch.randn(2, model_module.DecodeLinear.ROWS, layer.in_features))  # a prefill's rows
+            layer(x)
+    assert len(calls) == 1
+
