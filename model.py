@@ -99,10 +99,10 @@ class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized products on a CPU run through oneDNN's linear
     (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU code calls) instead of MKL's:
     at most ROWS rows, float32, no gradient, outside autocast and torch.compile. A step's
-    products over qwen-134m's weights (2 layers, one thread) took 0.82x MKL's time at batch 1
-    and 0.87x at batch 8 on this project's CPU, side by side (benchmarks/decode_cpu.md), and
-    they are the floor under every variant's step; every larger call, every gradient and
-    every GPU runs F.linear, as does any CPU whose torch lacks the op (said once).
+    products over qwen-134m's weights (2 layers, one thread) took 0.86x MKL's time at batch 1
+    and 0.91x at batch 8 on this project's CPU, side by side (docs/performance.md), and they
+    are the floor under every variant's step; larger calls measured 0.87-1.00x and stay on
+    F.linear, as do every gradient, every GPU and any CPU whose torch lacks the op (said once).
     Model turns its nn.Linear modules into this class in place (the same parameters, ties
     and state_dict keys), so attention.py reads as nn.Linear; which ran is said once."""
     ROWS = 64
