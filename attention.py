@@ -1045,13 +1045,15 @@ class CombinerAttention(CausalSelfAttention):
 # Block selection and block attention: `top_blocks` (nsa_top_blocks, moba_select) and
 # `block_attention` (nsa's selected branch, moba's one branch).
 
-def top_blocks(scores, valid, forced, n, select=top_n):
+def top_blocks(scores, valid, forced, n, select=top_n, owned=False):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
     the slots left when fewer than n are valid; equal scores go to the most recent block
     (`top_n`, or `select`: an Ops' top_n, which computes the same), so equal scores read as a
-    window. scores (.., T, J) float, valid and forced (T, J) bool. No gradient: the choice of
-    blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
-    return select(scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf")), n)
+    window. scores (.., T, J) float, valid and forced (T, J) bool; owned: scores is the
+    caller's to overwrite, and is masked in place (at T = 32768 each copy of moba's scores is
+    0.8 GB a layer). No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    scores = scores if owned else scores.clone()
+    return select(scores.masked_fill_(forced, float("inf")).masked_fill_(~valid, float("-inf")), n)
 
 
 def block_attention(q, k, v, scale, q_start, k_start, block, blocks):
@@ -1122,7 +1124,7 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     j = torch.arange(J, device=scores.device)
     valid = j <= own
     forced = valid & ((j == 0) | (j == own) | (j == own - 1))
-    return expand_kv(top_blocks(scores, valid, forced, n, select), H)
+    return expand_kv(top_blocks(scores, valid, forced, n, select, owned=True), H)
 
 
 class NativeSparseAttention(CausalSelfAttention):
@@ -1321,7 +1323,7 @@ def moba_select(q, means, q_start, block, topk, select=top_n):
     scores = F.pad(scores, (0, J - full))
     own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block  # (T, 1)
     j = torch.arange(J, device=q.device)
-    return top_blocks(scores, j <= own, j == own, topk, select)
+    return top_blocks(scores, j <= own, j == own, topk, select, owned=True)
 
 
 class MixtureOfBlockAttention(CausalSelfAttention):

@@ -520,3 +520,17 @@ def test_one_thread_runs_its_block_on_one_thread_and_restores_the_count():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_top_blocks_masks_a_copy_unless_the_scores_are_its_own():
+    """top_blocks masks the scores in place only when the caller hands them over (owned=True,
+    as moba_select and nsa_top_blocks do with the scores they just made); the choice is the same."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 5, 6, generator=g)
+    j, own = torch.arange(6), torch.arange(5)[:, None] + 1
+    valid, forced = j <= own, j == own
+    kept = scores.clone()
+    chosen = attention.top_blocks(scores, valid, forced, 3)
+    assert torch.equal(scores, kept)
+    assert torch.equal(attention.top_blocks(scores, valid, forced, 3, owned=True), chosen)
+    assert not torch.equal(scores, kept) and torch.isinf(scores[..., ~valid]).all()
