@@ -1048,10 +1048,9 @@ class CombinerAttention(CausalSelfAttention):
 def top_blocks(scores, valid, forced, n, select=top_n, owned=False):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
     the slots left when fewer than n are valid; equal scores go to the most recent block
-    (`top_n`, or `select`: an Ops' top_n, which computes the same), so equal scores read as a
-    window. scores (.., T, J) float, valid and forced (T, J) bool; owned: scores is the
-    caller's to overwrite, and is masked in place (at T = 32768 each copy of moba's scores is
-    0.8 GB a layer). No gradient: the choice of blocks is discrete ([NSA] §6.1, [MoBA] §2.2)."""
+    (`top_n`, or an Ops' `select`, which computes the same), so equal scores read as a window.
+    scores (.., T, J) float, masked in place if `owned` (the caller's: a copy is 0.8 GB for
+    moba at T = 32768); valid, forced (T, J) bool. No gradient: the choice is discrete ([NSA] §6.1)."""
     scores = scores if owned else scores.clone()
     return select(scores.masked_fill_(forced, float("inf")).masked_fill_(~valid, float("-inf")), n)
 
