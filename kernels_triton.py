@@ -97,6 +97,22 @@ def _row_block(X, bh, offs_m, offs_d, T, D: tl.constexpr):
 
 
 @triton.jit
+def _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R: tl.constexpr):
+    """A program's (batch, head) row bh: (its key head's row of K and V, the head's scale and
+    b2, and its pointers into the query terms, the key terms and w2)."""
+    h = bh % H
+    kvh = (bh // H) * HKV + h // (H // HKV)
+    return kvh, tl.load(SC + h), tl.load(B2 + h), QT + bh * T * R, KT + bh * S * R, W2 + h * R
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, bh, offs_m, T):
+    """(lse, delta) of a block of query rows, the forward's log-sum-exp and rowsum(dO * O)."""
+    return (tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0),
+            tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0))
+
+
+@triton.jit
 def _gate_logit(qt_ptr, kt_ptr, w2_ptr, b2, offs_m, offs_n, T, S, R: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr):
     """z (BM, BN) float32: b2 + sum_c w2_c GELU(qt[i, c] + kt[j, c]) ([ASGA] eq. 1)."""
@@ -126,13 +142,10 @@ def _fwd_kernel(Q, K, V, QT, KT, W2, B2, SC, O, LSE, T, S, H, HKV, q_start, k_st
                 D: tl.constexpr, R: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = b * HKV + h // (H // HKV)
+    kvh, sc, b2, qt_ptr, kt_ptr, w2_ptr = _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     q = _row_block(Q, bh, offs_m, offs_d, T, D)
-    sc, b2 = tl.load(SC + h), tl.load(B2 + h)
-    qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
@@ -180,13 +193,10 @@ def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, 
                    D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
     pid_n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = b * HKV + h // (H // HKV)
+    kvh, sc, b2, qt_ptr, kt_ptr, w2_ptr = _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
-    sc, b2 = tl.load(SC + h), tl.load(B2 + h)
-    qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dkt = tl.zeros((BN, RP), tl.float32)
@@ -195,8 +205,7 @@ def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, 
     for m0 in range((lo // BM) * BM, T, BM):
         offs_m = m0 + tl.arange(0, BM)
         q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
-        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        lse, delta = _row_stats(LSE, DELTA, bh, offs_m, T)
         _, p, _, da, dz, _ = _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m, offs_n,
                                             T, S, q_start, k_start, R, PROB, IEEE, BM, BN)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
@@ -217,15 +226,11 @@ def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2
                   D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = b * HKV + h // (H // HKV)
+    kvh, sc, b2, qt_ptr, kt_ptr, w2_ptr = _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
-    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    sc, b2 = tl.load(SC + h), tl.load(B2 + h)
-    qt_ptr, kt_ptr, w2_ptr = QT + bh * T * R, KT + bh * S * R, W2 + h * R
+    lse, delta = _row_stats(LSE, DELTA, bh, offs_m, T)
     dq = tl.zeros((BM, D), tl.float32)
     dqt = tl.zeros((BM, RP), tl.float32)
     dw2 = tl.zeros((RP,), tl.float32)
