@@ -478,8 +478,10 @@ class GateTile:
     def _compile(cls):
         """The compiled (logits, grads), or None (eager). Compiled and run once on a small
         tile at first use, so that a failure (no C++ compiler) shows before any real tile."""
-        if not cls.COMPILE or torch.compiler.is_compiling():
-            cls._say("eager (" + ("GateTile.COMPILE is False" if not cls.COMPILE else "inside torch.compile") + ")")
+        if torch.compiler.is_compiling():  # traced into the caller's graph (no print: it would break the graph)
+            return None
+        if not cls.COMPILE:
+            cls._say("eager (GateTile.COMPILE is False)")
             return None
         if cls._compiled is None:
             try:
@@ -2089,19 +2091,25 @@ def _cached_rows(x, b, h, first, length=1):
     """The rows x[b, h, first + i] for i < length as indices into `table`, x's storage seen as
     (N, D) rows (a view, no copy): (table, rows (.., length) long, pos (.., length) the
     positions asked for), for index tensors b, h, first that broadcast; x (B, Hkv, S, D) a KV
-    cache's view. A position < 0 or >= S (another head's row, spare capacity, or outside the
-    storage, whose row is clamped into it) is the caller's to mask. Rows, not elements: a
-    row's D values are contiguous, so its address is one multiply-add (advanced indexing
-    computed each element's offset: 3 ms for nsa's 8 x 32 keys a head at batch 8, 12 heads).
-    `GatheredDots` and `gathered_sum` read the rows where they lie."""
-    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+    cache's view. A position < 0 or >= S (another head's row, spare capacity, or past the
+    view's last row, clamped to it) is the caller's to mask. Rows, not elements: a row's D
+    values are contiguous, so its address is one multiply-add (advanced indexing computed
+    each element's offset: 3 ms for nsa's 8 x 32 keys a head at batch 8, 12 heads).
+    `GatheredDots` and `gathered_sum` read the rows where they lie. Sizes and strides only (no
+    storage or pointer queries): a compiled decoding step traces it whole."""
+    if not _rows_contiguous(x):
         x = x.contiguous()
-    D = x.shape[-1]
-    n_rows = (x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()) // D
-    table = x.as_strided((n_rows, D), (D, 1))  # row r: the storage's D elements from x's first + r D
+    B, Hkv, S, D = x.shape
+    n_rows = (B - 1) * (x.stride(0) // D) + (Hkv - 1) * (x.stride(1) // D) + S  # up to the view's last row
+    table = x.as_strided((n_rows, D), (D, 1))  # row r: the D elements from x's first + r D
     base = b * (x.stride(0) // D) + h * (x.stride(1) // D)
     pos = first[..., None] + torch.arange(length, device=x.device)
     return table, (base[..., None] + pos).clamp(0, n_rows - 1), pos
+
+
+def _rows_contiguous(x):
+    """Whether x's last dim is its rows' contiguous D values, one row after another along dim -2."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 
 def _cached_kv_rows(k, v, b, h, first, length=1):
@@ -2109,8 +2117,7 @@ def _cached_kv_rows(k, v, b, h, first, length=1):
     pos), the row indices computed once where k and v lie alike in their storages (a
     KVCache's two `Rows` do)."""
     k_table, k_rows, pos = _cached_rows(k, b, h, first, length)
-    if (k_table.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.storage_offset() == k.storage_offset()
-            and v.untyped_storage().nbytes() == k.untyped_storage().nbytes()):
+    if _rows_contiguous(k) and v.shape == k.shape and v.stride() == k.stride():
         return k_table, k_rows, v.as_strided(k_table.shape, k_table.stride()), k_rows, pos
     v_table, v_rows, _ = _cached_rows(v, b, h, first, length)
     return k_table, k_rows, v_table, v_rows, pos
@@ -2142,6 +2149,8 @@ class GatheredDots:
     def run(cls, q, table, rows):
         """_gathered_dots(q, table, rows): compiled on a CPU (on a GPU, where decoding is bound by
         launches, not bytes, the eager form: not yet timed there)."""
+        if torch.compiler.is_compiling():  # in a compiled step: the loop inductor makes of it there
+            return _gathered_dots(q, table, rows)
         fn = cls._compile() if q.device.type == "cpu" else None
         if fn is not None:
             # every size may vary but D's, a head's width: with D fixed the loop over a row is
@@ -2158,8 +2167,10 @@ class GatheredDots:
 
     @classmethod
     def _compile(cls):
-        if not cls.COMPILE or torch.compiler.is_compiling():
-            cls._say("eager (" + ("GatheredDots.COMPILE is False" if not cls.COMPILE else "inside torch.compile") + ")")
+        if torch.compiler.is_compiling():  # traced into the caller's graph (no print: it would break the graph)
+            return None
+        if not cls.COMPILE:
+            cls._say("eager (GatheredDots.COMPILE is False)")
             return None
         if cls._compiled is None:
             cls._compiled = torch.compile(_gathered_dots, dynamic=False)  # compiled at the first call

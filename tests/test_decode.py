@@ -323,3 +323,22 @@ def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
             layer(x)
     assert len(calls) == 1
 
+
+
+@pytest.mark.parametrize("name", [v for v in VARIANTS if v != "caa"])
+def test_a_decoding_step_traces_whole(name):
+    """torch.compile of a model traces a decoding step without a graph break: the rows read
+    where they lie are found from sizes and strides (no storage or pointer query), and the
+    compiled helpers say nothing from inside a trace (a print breaks the graph). caa is the
+    exception by its definition: how many keys it keeps depends on ties with the k-th score,
+    a size read from the data."""
+    model = tiny(name, **VARIANTS[name])
+    idx = torch.randint(0, 64, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(idx[:, :-1], cache=cache)
+        try:
+            explained = torch._dynamo.explain(model)(idx[:, -1:], cache=cache)
+        finally:
+            torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
