@@ -2135,8 +2135,8 @@ class GatheredDots:
     (an index_select) and then read again by a product: for 16 random blocks of 64 keys a
     head at batch 8 from an 8192-key cache (12 heads of 64), the gathers and products of keys
     and values took 11 ms, this loop and `gathered_sum` 4 ms. Eager where compiling is off
-    (GatheredDots.COMPILE = False), fails, or is inside an outer torch.compile. Which ran is
-    said once (`path`)."""
+    (GatheredDots.COMPILE = False) or fails; inside an outer torch.compile, `_gathered_dots`
+    traced into its graph. Which ran is said once (`path`; nothing is said inside a trace)."""
 
     # DECODE_COMPILED_GATHER=0 sets COMPILE False for a process and its children (the test
     # suite does, so that each test process does not pay the compile; tests/test_decode.py
@@ -2167,8 +2167,6 @@ class GatheredDots:
 
     @classmethod
     def _compile(cls):
-        if torch.compiler.is_compiling():  # traced into the caller's graph (no print: it would break the graph)
-            return None
         if not cls.COMPILE:
             cls._say("eager (GatheredDots.COMPILE is False)")
             return None
@@ -2383,8 +2381,7 @@ def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     dots = torch.bmm(k_idx.float(), q_idx.float().reshape(B, T * J, d).transpose(1, 2))  # (B, S, T J)
     dots = dots.div_(math.sqrt(d)).relu_().view(B, S, T, J)
     scores = (dots * w.float()[:, None]).sum(-1).transpose(1, 2)  # (B, T, S)
-    q_pos = q_start + torch.arange(T, device=q_idx.device)[:, None]
-    scores = scores.masked_fill(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
+    scores = scores.masked_fill_(_positions(T, S, q_start, k_start, q_idx.device) < 0, NEG_INF)  # future keys
     return _top_n(scores, min(n, S), narrow=True)
 
 

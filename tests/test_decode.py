@@ -324,7 +324,6 @@ def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
     assert len(calls) == 1
 
 
-
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "caa"])
 def test_a_decoding_step_traces_whole(name):
     """torch.compile of a model traces a decoding step without a graph break: the rows read
