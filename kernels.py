@@ -1228,6 +1228,24 @@ def sliding_block_scores(p_cmp, J, length, stride, block):
     return out
 
 
+def padded_block_scores(p_cmp, J, length, stride, block):
+    """`sliding_block_scores` for a decoding step: p_cmp zero-padded to cover every block
+    (covers - 1 zeros before it, after it up to J blocks), so each of the `width` slices
+    has the same J terms and no bound depends on C or J. The same sums in the same order
+    (a padded zero adds nothing), but no Python min or branch on the cache's length: under
+    torch.compile those would guard the graph on it, and a decoding step recompiled as it
+    grew (dynamo's guards on `min(J, ...)`)."""
+    covers, per_block = length // stride, block // stride
+    width = per_block + covers - 1
+    C = p_cmp.shape[-1]
+    padded = F.pad(p_cmp, (covers - 1, J * per_block + per_block - C))  # key i at i + covers - 1
+    out = p_cmp.new_zeros(*p_cmp.shape[:-1], J)
+    for w in range(width):  # block j's w-th key, j pb + w - (covers - 1), sits at j pb + w
+        weight = min(w + 1, covers, per_block, width - w)
+        out.add_(padded[..., w:w + (J - 1) * per_block + 1:per_block], alpha=weight)
+    return out
+
+
 def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
     """attention.lightning_scores ([DS32] eq. 1) as written there, for a chunk of queries."""
     B, T, J, d = q_idx.shape
@@ -2247,11 +2265,13 @@ def decode_pair_gated_attention(q, k, v, q_term, k_term, w2, b2, scale, q_start,
     B, H, T, _ = q.shape
     S, r = k.shape[2], q_term.shape[-1]
     logits = _decode_logits(q, k, scale)  # (B, H, T, S)
-    compiled = GateTile._compile() if q.device.type == "cpu" else None
-    if compiled is not None:
+    tracing = torch.compiler.is_compiling()  # inside a compiled step: the tile's maths, fused in its graph
+    compiled = GateTile._compile() if q.device.type == "cpu" and not tracing else None
+    if compiled is not None or tracing:
         qt = q_term.float().reshape(B * H, T, r).transpose(1, 2).contiguous()  # (B H, r, T), as a tile's
         kt = k_term.float().transpose(-2, -1).reshape(B * H, r, S)  # a view of the cache's keys-last terms
-        z = GateTile.run_compiled(compiled, 0, qt, kt, w2.float().repeat(B, 1)).view(B, H, T, S)
+        args = qt, kt, w2.float().repeat(B, 1)
+        z = (gate_tile_logits(*args) if tracing else GateTile.run_compiled(compiled, 0, *args)).view(B, H, T, S)
     else:
         step = max(1, PAIR_GATE_HIDDEN // (B * H * T * r))
         z = torch.cat([torch.einsum("bhtsr,hr->bhts", F.gelu(q_term.float()[:, :, :, None] + k_term.float()[:, :, None, c0:c0 + step]),
@@ -2366,7 +2386,7 @@ def decode_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bl
     if choose is None:
         return out, None
     J = ceil_div(q_start + q.shape[2], block)
-    return out, choose(sliding_block_scores(p.detach(), J, length, stride, block), q_start)
+    return out, choose(padded_block_scores(p.detach(), J, length, stride, block), q_start)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.fx.experimental._config  # noqa: F401 - compile_decoding patches its duck sizing
 import torch.nn.functional as F
 
 from attention import VARIANTS, AttentionConfig, RMSNorm, rope_cos_sin
@@ -148,8 +149,9 @@ class Rows:
     rows are dropped as it rolls, stays within twice the window (nanochat's KVCache and Hugging
     Face's static cache preallocate the same way, for a known maximum length)."""
 
-    def __init__(self, keys_last=False):
+    def __init__(self, keys_last=False, capacity=0):
         self.data = None  # (..., capacity, X)
+        self.capacity = capacity  # rows the first buffer holds (0: twice the first append's)
         self.lo = self.hi = 0  # rows lo .. hi - 1 of data hold positions start .. end - 1
         self.start = 0
         # On a CPU, store the positions as the fastest-moving dim ((..., X, capacity) in memory,
@@ -175,9 +177,11 @@ class Rows:
         zeros, never uninitialised memory: a read of whole blocks (kernels._cached_rows) may
         read past the last row, and masks what it read there, which a NaN would survive."""
         n = x.shape[-2]
-        if self.data is None or self.hi + n > self.data.shape[-2]:
+        # a spare row always: a view never spans the whole buffer, so its layout (contiguous
+        # or not) does not change with the step, which a compiled step would guard on
+        if self.data is None or self.hi + n >= self.data.shape[-2]:
             held = self.view()
-            data = self._zeros(x, 2 * (len(self) + n))
+            data = self._zeros(x, max(2 * (len(self) + n), self.capacity if held is None else 0))
             if held is not None:
                 data[..., :len(self), :] = held
             self.data, self.lo, self.hi = data, 0, len(self)
@@ -198,7 +202,7 @@ class Rows:
         """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
         if self.data is not None:
             held = self.view().repeat_interleave(n, dim=0)
-            self.data = self._zeros(held, 2 * held.shape[-2])
+            self.data = self._zeros(held, max(2 * held.shape[-2], self.capacity))
             self.data[..., :held.shape[-2], :] = held
             self.lo, self.hi = 0, held.shape[-2]
 
@@ -220,8 +224,12 @@ class KVCache:
     (`oldest_key_needed`), so windowed variants keep a rolling cache of at most `window` keys
     between steps (window + 1 while a query attends)."""
 
-    def __init__(self):
-        self.k, self.v = Rows(), Rows()
+    def __init__(self, capacity=0):
+        """capacity: the positions its buffers hold before they first grow (0: twice the first
+        append's): the prompt plus the tokens to generate, for a compiled step
+        (`compile_decoding`), whose graph a growth would branch."""
+        self.capacity = capacity
+        self.k, self.v = Rows(capacity=capacity + 1), Rows(capacity=capacity + 1)
         self.summaries = None  # a Rows per summary tensor, one row per window, from window 0
         self.pending = None  # Rows of q (B, H, ., D) and x (B, ., C) from the first incomplete window on
 
@@ -255,7 +263,7 @@ class KVCache:
     def summarise(self, layer, window, q, x):
         length, stride = window
         if self.pending is None:
-            self.pending = (Rows(), Rows())
+            self.pending = (Rows(capacity=self.capacity + 1), Rows(capacity=self.capacity + 1))
             self.pending[0].start = self.pending[1].start = self.start
         for rows, new in zip(self.pending, (q, x)):
             rows.append(new)
@@ -269,7 +277,8 @@ class KVCache:
                                   self.v.view()[:, :, k0:k0 + last - first], x_w, first)
             new = new if isinstance(new, tuple) else (new,)
             if self.summaries is None:
-                self.summaries = tuple(Rows(keys_last=layer.keys_last_summaries) for _ in new)
+                held = self.capacity // stride + 2 if self.capacity else 0  # windows in `capacity` positions, a spare
+                self.summaries = tuple(Rows(keys_last=layer.keys_last_summaries, capacity=held) for _ in new)
             for rows, s in zip(self.summaries, new):
                 rows.append(s)
             for rows in self.pending:  # keep the inputs of the windows still incomplete
@@ -324,9 +333,10 @@ class Model(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self):
-        """One KVCache per layer, empty: pass it to forward as `cache` (sample.generate does)."""
-        return [KVCache() for _ in self.layers]
+    def new_cache(self, capacity=0):
+        """One KVCache per layer, empty: pass it to forward as `cache` (sample.generate does).
+        capacity: the positions to hold without growing (see KVCache)."""
+        return [KVCache(capacity) for _ in self.layers]
 
     def forward(self, idx, targets=None, cache=None):
         """idx (B, T) token ids -> (logits (B, T, V) float32, mean cross-entropy or None).
@@ -397,6 +407,47 @@ def compile_blocks(model, **compile_kwargs):
     view.layers = nn.ModuleList([torch.compile(layer, **compile_kwargs) for layer in model.layers])
     view.head_and_loss = torch.compile(model.head_and_loss, **compile_kwargs)
     return view
+
+
+DECODING_RECOMPILE_LIMIT = 16  # graphs one compiled decoding step may make (see compile_decoding)
+
+
+def compile_decoding(model, **compile_kwargs):
+    """`model` for one-token decoding steps through torch.compile (gpt-fast compiles its
+    decoding step so): inductor fuses a step's few hundred small ops (norms, RoPE, the
+    selection's scores and top-k, the gathers) into a few kernels, where eager mode pays for
+    each one (on a GPU a kernel launch each). Feed it the steps after an eager prefill:
+    `step(token, cache=cache)`, as `model(...)`; the prefill stays eager (one call, its own
+    shapes). Returns (step, how: a line saying what runs).
+
+    Sizes are symbolic (dynamic=True), so a cache that grows by a row each step reuses one
+    graph: the step's Python arithmetic on the cache's length is written without branches
+    on it (`kernels.padded_block_scores`). What still makes a graph of its own, each once: a
+    batch of 1 against larger ones; a summary window completing in the step or not (the
+    cache's `complete > done`); a buffer growing, unless the cache holds the whole generation
+    (`new_cache(capacity)`, as sample.generate makes it); and, while the cache is short,
+    sizes of 0 or 1 (no summary yet, one) and a selection wider than the cache (fewer blocks
+    than its top-n). With the capacity and a prompt past those, at most 2 graphs a batch
+    size (tests/test_decode.py counts them). caa runs eager: how
+    many keys it keeps is read from the data (ties with its k-th score), a size each step
+    would compile anew. Past DECODING_RECOMPILE_LIMIT graphs a step fails, saying so,
+    where dynamo would silently run it uncompiled."""
+    if any(layer.self_attn.cfg.attn == "caa" for layer in model.layers):
+        return model, "eager (caa keeps a number of keys read from the data: each step would compile anew)"
+    compiled = torch.compile(model, dynamic=True, **compile_kwargs)
+
+    def step(idx, cache):
+        try:
+            # no duck sizing: two buffers of the same size by chance (a key cache and a summary's)
+            # would share one size in the graph and recompile once they part
+            with torch._dynamo.config.patch(recompile_limit=DECODING_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
+                    torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(idx, cache=cache)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise RuntimeError(f"the compiled decoding step has made {DECODING_RECOMPILE_LIMIT} graphs "
+                               "(model.DECODING_RECOMPILE_LIMIT): something in the step branches on the "
+                               "cache's length; TORCH_LOGS=recompiles says where") from e
+    return step, "compiled (torch.compile, dynamic shapes: the first steps compile)"
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -3,7 +3,7 @@ decoding with a KV cache.
 
     python sample.py --ckpt=out/RUN [--prompt="Once upon a time" | --prompt_file=PATH]
                      [--max_new_tokens=200] [--temperature=0.8] [--top_k=200] [--seed=1337]
-                     [--device=cpu|cuda|auto] [--kernel=fused|ref] [--context=N] [--png=PATH]
+                     [--device=cpu|cuda|auto] [--kernel=fused|ref] [--compile=0|1] [--context=N] [--png=PATH]
     python sample.py --init_from=Qwen/Qwen3-0.6B [--attn=moba ...] --prompt="The capital of France is"
 
 The model config travels with the checkpoint (`ckpt['model_config']`), so no flag repeats it.
@@ -16,6 +16,10 @@ between steps, nsa, moba, combiner and the indexer also the summaries their sele
 --kernel=fused (the default, as in training) runs kernels.py: the prompt through the device's
 fast path, each decoding step through kernels.DECODE, which reads of the cache only what the
 selection names; --kernel=ref runs attention.py as written. The path is printed.
+--compile=1 runs the decoding steps through torch.compile (model.compile_decoding: a step's
+few hundred small ops fused into a few kernels; the first steps compile, about a minute a
+graph on a CPU, so it pays on long generations) with a cache of fixed capacity, the prompt
+plus --max_new_tokens; caa's steps stay eager, said.
 `generate(..., use_cache=False)` recomputes the whole sequence for every token instead; the
 two give the same tokens (tests/test_sample.py).
 
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 from attention import attention_path
-from model import CheckpointError, describe_hf_load, load_checkpoint
+from model import CheckpointError, compile_decoding, describe_hf_load, load_checkpoint
 from config import cuda_missing, fail, load_pretrained, parse_source_flags, tf32_matmuls
 
 def context_length(ckpt):
@@ -87,18 +91,19 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
-             generator=None, on_step=None):
+             generator=None, on_step=None, step=None):
     """Continue idx (B, T) by max_new_tokens tokens -> (B, T + max_new_tokens).
 
     use_cache=True feeds the prompt once, then one token per step, reading earlier keys and
     values from the KV cache; use_cache=False recomputes the full forward pass over the whole
     sequence for every token (the reference the cache must match). `on_step(cache)`, when
     given, is called after every forward pass (cache is None without one): tests check the
-    rolling cache's size there."""
-    cache = model.new_cache() if use_cache else None
+    rolling cache's size there. `step`, when given (model.compile_decoding's), runs the
+    one-token steps after the prompt; the cache then holds the whole sequence without growing."""
+    cache = (model.new_cache(idx.shape[1] + max_new_tokens if step else 0)) if use_cache else None
     inputs = idx
-    for _ in range(max_new_tokens):
-        logits, _ = model(inputs, cache=cache)
+    for i in range(max_new_tokens):
+        logits, _ = (step if step is not None and use_cache and i else model)(inputs, cache=cache)
         if on_step is not None:
             on_step(cache)
         next_token = sample_next(logits[:, -1, :], temperature, top_k, generator)
@@ -110,7 +115,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
 # ----------------------------------------------------------------------------- command line
 
 DEFAULTS = dict(ckpt="", init_from="", prompt="", prompt_file="", max_new_tokens=200, temperature=0.8,
-                top_k=200, seed=1337, device="auto", kernel="fused", context=0, png="")
+                top_k=200, seed=1337, device="auto", kernel="fused", compile=0, context=0, png="")
 
 
 def parse_args(argv):
@@ -193,6 +198,10 @@ def main(argv=None):
     print(f"{source}: attn={cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, "
           f"step {ckpt.get('step', '?')}, prompt {len(tokens)} tokens", file=sys.stderr)
     print(f"attention: {attention_path(cfg, device)}", file=sys.stderr)
+    step = None
+    if args["compile"]:
+        step, how = compile_decoding(model)
+        print(f"decoding steps: {how}", file=sys.stderr)
 
     torch.manual_seed(args["seed"])
     generator = torch.Generator(device=device).manual_seed(args["seed"])
@@ -201,7 +210,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     with autocast:
         out = generate(model, idx, args["max_new_tokens"], args["temperature"],
-                       args["top_k"] or None, generator=generator)
+                       args["top_k"] or None, generator=generator, step=step if args["compile"] else None)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -209,7 +218,8 @@ def main(argv=None):
     completion = decode(new_tokens)
     print(prompt + completion)
     print(f"---\n{len(new_tokens)} tokens in {seconds:.2f} s: "
-          f"{len(new_tokens) / max(seconds, 1e-9):.1f} tokens/s ({device}, KV cache, kernel={cfg.kernel})")
+          f"{len(new_tokens) / max(seconds, 1e-9):.1f} tokens/s ({device}, KV cache, kernel={cfg.kernel}"
+          f"{', compiled steps, their compiles included' if args['compile'] else ''})")
     if args["png"]:
         caption = (f"python sample.py {shlex.join(sys.argv[1:] if argv is None else argv)}  "
                    f"# {cfg.attn}, {model.num_params() / 1e6:.2f}M parameters, step "

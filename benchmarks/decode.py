@@ -7,6 +7,7 @@ against the time to read once what its definition reads (the memory bound).
     python benchmarks/decode.py                    # CPU: T = 2048, 8192, 32768; batch 1 and 8
     python benchmarks/decode.py --device=cuda      # bf16; batch 1 and 16
     python benchmarks/decode.py --lengths=2048 --variants=full,nsa --steps=5   # a quick look
+    python benchmarks/decode.py --compile --lengths=8192   # the steps through model.compile_decoding
 
 The model: qwen-134m's widths (12 heads of 64, no GQA, d_model 768, MLP 2432) cut to
 --layers=2, random weights, kernel='fused' (its decoding steps run kernels.DECODE), float32
@@ -31,6 +32,11 @@ What is printed, per variant and T:
   at batch 1 and at --batch (`weight_products`), and the first over the time to read the
   weights once.
 
+--compile: each model's one-token steps through `model.compile_decoding` (torch.compile,
+dynamic shapes; caa stays eager, said in its row), its caches made with a fixed capacity, and
+untimed warm-up steps at each batch before the timed ones (`warm_steps`), which take the
+step's graphs; `full` beside compiled alike. Its rows go to decode_<device>_compiled.json.
+
 A variant whose prefill would take longer than --budget seconds, extrapolated from its time
 at the last length as T^2 (asga's pair gate and caa's ranking score every (query, key) pair),
 is skipped at the longer lengths, and the table says so. Rows are saved to --out as they are
@@ -50,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import tf32_matmuls  # noqa: E402
-from model import PRESETS, Model, ModelConfig  # noqa: E402
+from model import PRESETS, Model, ModelConfig, compile_decoding  # noqa: E402
 
 ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
 MB = 1e6
@@ -126,27 +132,34 @@ def clock(device):
     return time.perf_counter()
 
 
-def decode_steps(model, cache, batch, steps, device, start_token=0):
-    """Seconds of each of `steps` one-token steps at this batch."""
+def decode_steps(step, cache, batch, steps, device, start_token=0):
+    """Seconds of each of `steps` one-token steps at this batch (`step`: the model, or its
+    compiled step)."""
     times = []
     token = torch.full((batch, 1), start_token, dtype=torch.long, device=device)
     for _ in range(steps):
         t0 = clock(device)
-        logits, _ = model(token, cache=cache)
+        logits, _ = step(token, cache=cache)
         times.append(clock(device) - t0)
         token = logits[:, -1:].argmax(-1)
     return times
 
 
-def turns(model, cache, beside, batch, args):
+def warm_steps(model):
+    """Untimed steps before a compiled step is timed: enough for a summary window to complete
+    (its own graph, `compile_decoding`)."""
+    return 1 + max((layer.self_attn.summary_window() or (1, 1))[1] for layer in model.layers)
+
+
+def turns(step, cache, beside, batch, args):
     """(this model's step seconds, `beside`'s) at this batch: --steps steps each, taken in turns
-    over --rounds rounds when `beside` (full's model and cache at this batch) is given, so that
+    over --rounds rounds when `beside` (full's step and cache at this batch) is given, so that
     a drift of the machine's speed between rows (30% here) falls on both alike."""
     rounds = max(1, min(args.rounds, args.steps)) if beside else 1
     mine, theirs = [], []
     for i in range(rounds):
         n = args.steps // rounds + (i < args.steps % rounds)
-        mine += decode_steps(model, cache, batch, n, args.device)
+        mine += decode_steps(step, cache, batch, n, args.device)
         if beside:
             theirs += decode_steps(*beside, batch, n, args.device)
     return mine, theirs
@@ -159,30 +172,36 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     keep: also return this model and its caches at batch 1 and --batch (full's, for `beside`)."""
     model = build(attn, args.layers, args.vocab, args.device)
     idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
+    step, how = compile_decoding(model) if args.compile else (model, "eager")
+    warm = warm_steps(model) if args.compile else 0
+    # compiled: buffers that hold every step without growing (a growth is a graph of its own)
+    capacity = T + 2 * (warm + args.steps) + 2 if args.compile else 0
     with torch.no_grad(), autocast:
         if args.device == "cuda":  # compiles (one per shape) outside the timing
             model(idx, cache=model.new_cache())
-        cache = model.new_cache()
+        cache = model.new_cache(capacity)
         t0 = clock(args.device)
         model(idx, cache=cache)
         prefill = clock(args.device) - t0
         nbytes = cache[0].nbytes()
-        one, full_one = turns(model, cache, beside and beside["one"], 1, args)
+        decode_steps(step, cache, 1, warm, args.device)
+        one, full_one = turns(step, cache, beside and beside["one"], 1, args)
         kept = copy.deepcopy(cache) if keep else None
         for layer in cache:
             layer.repeat_batch(args.batch)
-        many, full_many = turns(model, cache, beside and beside["many"], args.batch, args)
+        decode_steps(step, cache, args.batch, warm, args.device)
+        many, full_many = turns(step, cache, beside and beside["many"], args.batch, args)
     elem = 2 if args.device == "cuda" else 4
     reads = definition_reads(model.layers[0].self_attn, T + args.steps, elem)
     weights = sum(p.numel() * elem for p in model.parameters())
-    row = dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes,
+    row = dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes, step=how,
                decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
                reads_per_layer=reads, weight_bytes=weights,
                read_bandwidth=read_bandwidth(max(weights + args.layers * reads, BANDWIDTH_BYTES), args.device))
     if beside:
         row.update(full_decode_ms=[1e3 * t for t in full_one], full_decode_batch_ms=[1e3 * t for t in full_many])
     if keep:
-        return row, dict(one=(model, kept), many=(model, cache))
+        return row, dict(one=(step, kept), many=(step, cache))
     del cache, model
     return row
 
@@ -242,6 +261,9 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=900.0, help="seconds a prefill may take (extrapolated as T^2)")
     p.add_argument("--out", default=None, help="JSON rows (default benchmarks/decode_<device>.json)")
     p.add_argument("--fresh", action="store_true", help="measure every row again")
+    p.add_argument("--compile", action="store_true",
+                   help="decoding steps through model.compile_decoding (caches of fixed capacity; untimed warm-up "
+                        "steps take its graphs)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not cuda:
         sys.exit("decode.py: --device=cuda but torch.cuda.is_available() is False")
@@ -253,11 +275,12 @@ def main(argv=None):
     if unknown:
         sys.exit(f"decode.py: unknown variants {sorted(unknown)}; valid: {', '.join(ORDER)}")
     args.batch = args.batch or (16 if args.device == "cuda" else 8)
-    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), f"decode_{args.device}.json")
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        f"decode_{args.device}{'_compiled' if args.compile else ''}.json")
     torch.set_num_threads(args.threads)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
     settings = dict(device=args.device, batch=args.batch, steps=args.steps, rounds=args.rounds, layers=args.layers, vocab=args.vocab,
-                    threads=args.threads, torch=torch.__version__)
+                    threads=args.threads, torch=torch.__version__, **({"compile": True} if args.compile else {}))
     saved = {}
     if os.path.exists(args.out) and not args.fresh:
         old = json.load(open(args.out))
@@ -298,7 +321,8 @@ def main(argv=None):
                     if args.device == "cuda":
                         torch.cuda.empty_cache()
             r = rows[T, name]
-            print(f"  T={T} {name}: " + (r["skipped"] if "skipped" in r else
+            print(f"  T={T} {name}{' (' + r['step'].split(' (')[0] + ')' if args.compile and 'step' in r else ''}: "
+                  + (r["skipped"] if "skipped" in r else
                   f"prefill {r['prefill_s']:.3g} s, decode {statistics.median(r['decode_ms']):.1f} ms, batch "
                   f"{args.batch} {statistics.median(r['decode_batch_ms']):.1f} ms"), flush=True)
             with open(args.out, "w") as f:

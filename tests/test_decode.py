@@ -341,3 +341,73 @@ def test_a_decoding_step_traces_whole(name):
         finally:
             torch._dynamo.reset()
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+
+
+def compiled_decoding(name, capacity, steps=240, prefill=100):
+    """(graphs the compiled step made, the largest difference of its logits from the eager
+    step's) over `steps` one-token steps after an eager prefill, through model.compile_decoding
+    with a backend that counts the graphs dynamo hands it (aot_eager: the guards inductor's
+    tracing adds, without its compile time), the eager steps on a copy of the cache."""
+    import copy
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from torch._guards import CompileContext
+
+    graphs = set()  # dynamo's compile ids (a restarted analysis hands the backend one graph twice)
+
+    def counting(gm, example_inputs):
+        graphs.add(str(CompileContext.current_compile_id()))
+        return aot_eager(gm, example_inputs)
+
+    model = tiny(name, **VARIANTS[name])
+    idx = torch.randint(0, 64, (1, prefill + steps), generator=torch.Generator().manual_seed(1))
+    worst = 0.0
+    try:
+        with torch.no_grad():
+            eager_cache = model.new_cache(capacity)
+            model(idx[:, :prefill], cache=eager_cache)
+            compiled_cache = copy.deepcopy(eager_cache)
+            step, how = model_module.compile_decoding(model, backend=counting)
+            for t in range(prefill, prefill + steps):
+                token = idx[:, t:t + 1].clone()  # its own storage, as a generated token's
+                want, got = model(token, cache=eager_cache)[0], step(token, cache=compiled_cache)[0]
+                worst = max(worst, (want - got).abs().max().item() / want.abs().max().item())
+    finally:
+        torch._dynamo.reset()
+    return len(graphs), worst, how
+
+
+@pytest.mark.parametrize("name", [v for v in VARIANTS if v != "caa"])
+def test_a_compiled_decoding_step_equals_eager_and_keeps_its_graphs(name):
+    """model.compile_decoding over 240 steps (windows completing, blocks starting) after a
+    prompt of 100 (every summary count past 1, a size dynamo specialises) with a cache of
+    fixed capacity: the logits equal the eager step's, and the step makes at most two graphs
+    (a summary window completing in the step, or not), not one per cache length: the
+    step's arithmetic on the length has no Python branch or min on it
+    (kernels.padded_block_scores; with sliding_block_scores, nsa's step made 7 graphs in 60
+    steps at qwen-134m's sizes)."""
+    graphs, worst, how = compiled_decoding(name, capacity=400)
+    assert how.startswith("compiled")
+    assert worst < 1e-5
+    assert 1 <= graphs <= 2, graphs
+
+
+def test_caa_decodes_eager_under_compile_decoding():
+    """caa's kept-key count is read from the data: compile_decoding leaves its step eager and says so."""
+    graphs, worst, how = compiled_decoding("caa", capacity=400, steps=5)
+    assert how.startswith("eager (caa") and graphs == 0 and worst == 0.0
+
+
+def test_a_cache_of_fixed_capacity_never_grows():
+    """new_cache(capacity): the buffers allocated at the first write hold every later step in place."""
+    model = tiny("nsa")
+    idx = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model.new_cache(150)
+        model(idx[:, :20], cache=cache)
+        buffers = [rows.data for rows in cache[0].rows()]
+        for t in range(20, 150):
+            model(idx[:, t:t + 1], cache=cache)
+    after = [rows.data for rows in cache[0].rows()]
+    assert len(after) == len(buffers) and all(a is b for a, b in zip(after, buffers))

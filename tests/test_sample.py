@@ -77,6 +77,24 @@ def test_cached_greedy_equals_recomputed_greedy(name, monkeypatch):
         assert after[-1] == [PROMPT + NEW - 1] * 2
 
 
+@pytest.mark.parametrize("name", ["full", "local"])
+def test_compiled_decoding_steps_give_the_eager_tokens(name):
+    """sample.generate with model.compile_decoding's step (aot_eager here: dynamo's graphs
+    without inductor's compile time) gives the eager cached tokens, on a cache of fixed
+    capacity, at batch 2. (The selecting variants compile a graph for each of their first
+    steps after this 5-token prompt, while a cache holds fewer blocks than their top-n:
+    tests/test_decode.py compiles them after a longer prompt.)"""
+    m = tiny_model(seed=3, **VARIANTS[name])
+    prompt = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    step, how = model_module.compile_decoding(m, backend="aot_eager")
+    try:
+        compiled = sample.generate(m, prompt, NEW, temperature=0, step=step)
+    finally:
+        torch._dynamo.reset()
+    assert how.startswith("compiled")
+    assert torch.equal(compiled, sample.generate(m, prompt, NEW, temperature=0))
+
+
 def test_sampling_respects_seed_top_k_and_temperature():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0, 2.9]]).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
@@ -136,6 +154,17 @@ def test_command_line_generates_from_a_run_dir(tmp_path, capsys, english_text):
     assert "keeping the prompt's last 16" in out.err and "training context" not in out.err
     tail = enc.decode(enc.encode(english_text)[-16:])
     assert out.out.startswith(tail) and "3 tokens in" in out.out
+
+    # --compile=1 runs the steps through model.compile_decoding, says so, and gives the same tokens
+    import functools
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sample, "compile_decoding", functools.partial(model_module.compile_decoding, backend="aot_eager"))
+        sample.main([f"--ckpt={tmp_path}", f"--prompt={prompt}", "--max_new_tokens=6", "--temperature=0", "--compile=1"])
+    torch._dynamo.reset()
+    compiled = capsys.readouterr()
+    assert "decoding steps: compiled (torch.compile" in compiled.err and "compiled steps" in compiled.out
+    assert compiled.out.split("---\n")[0] == text
 
     # --kernel=ref runs attention.py as written, and says so
     sample.main([f"--ckpt={tmp_path}", f"--prompt={prompt}", "--max_new_tokens=2", "--temperature=0", "--kernel=ref"])
