@@ -15,6 +15,7 @@ import pickle
 import random
 import re
 import sys
+import types
 import zipfile
 from dataclasses import dataclass, fields, replace
 
@@ -434,7 +435,14 @@ def compile_decoding(model, **compile_kwargs):
     where dynamo would silently run it uncompiled."""
     if any(layer.self_attn.cfg.attn == "caa" for layer in model.layers):
         return model, "eager (caa keeps a number of keys read from the data: each step would compile anew)"
-    compiled = torch.compile(model, dynamic=True, **compile_kwargs)
+
+    def forward(idx, cache):
+        return model(idx, cache=cache)
+    # a code object of this model's own: dynamo keeps graphs, and counts them against its
+    # recompile limit, per code object, and Model.forward's would hold every model's compiled
+    # in the process (a benchmark compiles nine)
+    forward = types.FunctionType(forward.__code__.replace(), globals(), "decoding_step", None, forward.__closure__)
+    compiled = torch.compile(forward, dynamic=True, **compile_kwargs)
 
     def step(idx, cache):
         try:
@@ -442,7 +450,7 @@ def compile_decoding(model, **compile_kwargs):
             # would share one size in the graph and recompile once they part
             with torch._dynamo.config.patch(recompile_limit=DECODING_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
                     torch.fx.experimental._config.patch(use_duck_shape=False):
-                return compiled(idx, cache=cache)
+                return compiled(idx, cache)
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RuntimeError(f"the compiled decoding step has made {DECODING_RECOMPILE_LIMIT} graphs "
                                "(model.DECODING_RECOMPILE_LIMIT): something in the step branches on the "

@@ -411,3 +411,22 @@ def test_a_cache_of_fixed_capacity_never_grows():
             model(idx[:, t:t + 1], cache=cache)
     after = [rows.data for rows in cache[0].rows()]
     assert len(after) == len(buffers) and all(a is b for a, b in zip(after, buffers))
+
+
+def test_each_compiled_model_keeps_its_own_graphs(monkeypatch):
+    """Three models compiled in one process, the limit at 2 graphs a step: each step counts
+    its own graphs (a code object of its own), where through Model.forward's the third model
+    found the first two's graphs counted against it and failed."""
+    monkeypatch.setattr(model_module, "DECODING_RECOMPILE_LIMIT", 2)
+    idx = torch.randint(0, 64, (1, 120), generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            for name in ("full", "local", "dsa"):
+                model = tiny(name, **VARIANTS[name])
+                cache = model.new_cache(120)
+                model(idx[:, :100], cache=cache)
+                step, _ = model_module.compile_decoding(model, backend="aot_eager")
+                for t in range(100, 104):
+                    step(idx[:, t:t + 1].clone(), cache=cache)
+    finally:
+        torch._dynamo.reset()
