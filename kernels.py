@@ -2090,18 +2090,39 @@ def _head_rows(q, Hkv):
     return q.reshape(B, Hkv, H // Hkv * T, D)
 
 
+@torch.library.custom_op("sparse_attention::cache_bmm", mutates_args=())
+def cache_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, opaque to inductor: inside a compiled decoding step the products with the
+    cache stay ATen's (BLAS) calls. Inductor turns a bmm with one row (a decoding step's q k^T
+    and p v without grouped heads) into its own multiply-and-sum loop on a CPU, which read the
+    cache at 0.75x the speed: `full`'s compiled step took 73 ms at batch 8, T = 8192, against
+    56 eager."""
+    return torch.bmm(a, b)
+
+
+@cache_bmm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+
+def _bmm(a, b):
+    """a @ b for 3-d a, b: `cache_bmm` inside a compiled step, torch.bmm otherwise."""
+    return cache_bmm(a, b) if torch.compiler.is_compiling() else torch.bmm(a, b)
+
+
 def _decode_logits(q, k, scale):
     """(B, H, T, S) float32 logits q . k * scale, k (B, Hkv, S, D) read once per key head;
     scale a float or one per head (H,)."""
     B, H, T, _ = q.shape
-    logits = (_head_rows(q, k.shape[1]) @ k.transpose(-2, -1)).float().view(B, H, T, k.shape[2])
+    logits = _bmm(_head_rows(q, k.shape[1]).flatten(0, 1), k.flatten(0, 1).transpose(1, 2))
+    logits = logits.float().view(B, H, T, k.shape[2])
     return logits * (scale.float()[None, :, None, None] if torch.is_tensor(scale) else scale)
 
 
 def _decode_output(p, v):
     """(B, H, T, D): the probabilities p (B, H, T, S) times the values v (B, Hkv, S, D)."""
     B, H, T, S = p.shape
-    out = p.to(v.dtype).reshape(B, v.shape[1], H // v.shape[1] * T, S) @ v
+    out = _bmm(p.to(v.dtype).reshape(B * v.shape[1], H // v.shape[1] * T, S), v.flatten(0, 1))
     return out.view(B, H, T, v.shape[-1])
 
 
