@@ -2106,8 +2106,9 @@ def _(a, b):
 
 
 def _bmm(a, b):
-    """a @ b for 3-d a, b: `cache_bmm` inside a compiled step, torch.bmm otherwise."""
-    return cache_bmm(a, b) if torch.compiler.is_compiling() else torch.bmm(a, b)
+    """a @ b for 3-d a, b: `cache_bmm` inside a compiled step without gradients (decoding; it
+    has no backward), torch.bmm otherwise (a compiled training step's few-row calls too)."""
+    return cache_bmm(a, b) if torch.compiler.is_compiling() and not torch.is_grad_enabled() else torch.bmm(a, b)
 
 
 def _decode_logits(q, k, scale):
