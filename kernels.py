@@ -1223,9 +1223,15 @@ def sliding_block_scores(p_cmp, J, length, stride, block):
         j1 = min(J, (C - 1 - shift) // per_block + 1) if C - 1 - shift >= 0 else 0
         if j1 > j0:
             first = j0 * per_block + shift
-            weight = min(w + 1, covers, per_block, width - w)  # the trapezoid's weight w
+            weight = _trapezoid(w, covers, per_block)
             out[..., j0:j1].add_(p_cmp[..., first:first + (j1 - j0 - 1) * per_block + 1:per_block], alpha=weight)
     return out
+
+
+def _trapezoid(w, covers, per_block):
+    """Eq. 9's weight of a block's w-th overlapping compressed key: ones(covers) convolved
+    with ones(per_block) at w."""
+    return min(w + 1, covers, per_block, per_block + covers - 1 - w)
 
 
 def padded_block_scores(p_cmp, J, length, stride, block):
@@ -1241,8 +1247,7 @@ def padded_block_scores(p_cmp, J, length, stride, block):
     padded = F.pad(p_cmp, (covers - 1, J * per_block + per_block - C))  # key i at i + covers - 1
     out = p_cmp.new_zeros(*p_cmp.shape[:-1], J)
     for w in range(width):  # block j's w-th key, j pb + w - (covers - 1), sits at j pb + w
-        weight = min(w + 1, covers, per_block, width - w)
-        out.add_(padded[..., w:w + (J - 1) * per_block + 1:per_block], alpha=weight)
+        out.add_(padded[..., w:w + (J - 1) * per_block + 1:per_block], alpha=_trapezoid(w, covers, per_block))
     return out
 
 

@@ -100,7 +100,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
     given, is called after every forward pass (cache is None without one): tests check the
     rolling cache's size there. `step`, when given (model.compile_decoding's), runs the
     one-token steps after the prompt; the cache then holds the whole sequence without growing."""
-    cache = (model.new_cache(idx.shape[1] + max_new_tokens if step else 0)) if use_cache else None
+    cache = model.new_cache(idx.shape[1] + max_new_tokens if step else 0) if use_cache else None
     inputs = idx
     for i in range(max_new_tokens):
         logits, _ = (step if step is not None and use_cache and i else model)(inputs, cache=cache)
@@ -210,7 +210,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     with autocast:
         out = generate(model, idx, args["max_new_tokens"], args["temperature"],
-                       args["top_k"] or None, generator=generator, step=step if args["compile"] else None)
+                       args["top_k"] or None, generator=generator, step=step)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
