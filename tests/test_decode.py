@@ -334,8 +334,14 @@ def test_a_decoding_step_traces_whole(name):
     compiled helpers say nothing from inside a trace (a print breaks the graph). caa is the
     exception by its definition: how many keys it keeps depends on ties with the k-th score,
     a size read from the data."""
+    breaks = graph_breaks(name)
+    assert not breaks, breaks
+
+
+def graph_breaks(name, T=100):
+    """The reasons dynamo breaks the graph of `name`'s one-token step after T - 1 cached tokens."""
     model = tiny(name, **VARIANTS[name])
-    idx = torch.randint(0, 64, (1, 100), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         cache = model.new_cache()
         model(idx[:, :-1], cache=cache)
@@ -343,7 +349,22 @@ def test_a_decoding_step_traces_whole(name):
             explained = torch._dynamo.explain(model)(idx[:, -1:], cache=cache)
         finally:
             torch._dynamo.reset()
-    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    return [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+
+
+def test_a_traced_step_takes_its_top_k_whole_where_eager_narrows_it(monkeypatch):
+    """kernels._top_n narrows long rows to their candidates first in an eager step (the
+    indexer's top-k at batch 8, T = 32768), a count read from the data (a nonzero); inside a
+    trace it is one top-k, so the step still traces whole (with the break, the indexer's
+    compiled step at that size was slower than its eager one)."""
+    import kernels
+    monkeypatch.setattr(kernels, "TOP_N_NARROWED_CALL", 1)  # rows of 8 x index_topk keys narrow, as 32768 at batch 8 do
+    narrowed = []
+    real = kernels._top_n_narrowed
+    monkeypatch.setattr(kernels, "_top_n_narrowed", lambda *a: narrowed.append(a) or real(*a))
+    breaks = graph_breaks("indexer", T=8 * SIZES["index_topk"] + 50)
+    assert narrowed, "the eager prefill never narrowed: the thresholds above no longer reach these sizes"
+    assert not breaks, breaks
 
 
 def compiled_decoding(name, capacity, steps=240, prefill=100):
