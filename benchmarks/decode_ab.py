@@ -13,6 +13,10 @@ which every checkout has. Per T and variant, every checkout prefills (one after 
 then their decoding steps take turns (--rounds rounds of --steps / --rounds steps each, at
 batch 1, then at --batch), each checkout's median over all its steps: a drift of the
 machine's speed between runs (30% here) falls on both sides alike.
+
+--compile: each checkout's steps through its own `model.compile_decoding`, its cache made with
+a fixed capacity and untimed warm-up steps at each batch first (decode.py's `warm_steps`), as
+decode.py --compile measures them; a checkout without compile_decoding is refused by name.
 """
 import argparse
 import os
@@ -23,19 +27,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode import clock, decode_steps  # noqa: E402
+from decode import clock, decode_steps, warm_steps  # noqa: E402
 from train_step_ab import load  # noqa: E402
 
 
-def prefill(models, attn, T):
-    """(model, cache, prefill s) of `attn` at T for one checkout."""
+def prefill(models, attn, T, capacity=0):
+    """(model, cache, prefill s) of `attn` at T for one checkout (capacity: the cache's, 0 to grow)."""
     cfg = models.ModelConfig(**dict(models.PRESETS["qwen-134m"], n_layer=2, vocab_size=256, attn=attn,
                                     kernel="fused"))
     torch.manual_seed(0)
     model = models.Model(cfg).eval()
     idx = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        cache = model.new_cache()
+        cache = model.new_cache(capacity) if capacity else model.new_cache()
         t0 = clock("cpu")
         model(idx, cache=cache)
         return model, cache, clock("cpu") - t0
@@ -43,29 +47,39 @@ def prefill(models, attn, T):
 
 def interleaved(held, steps, rounds, batch):
     """{label: median ms} of one-token steps at this batch, the checkouts taking turns: `rounds`
-    rounds of steps / rounds steps each, so that a drift of the machine's speed (30% between
-    runs here) falls on every checkout alike."""
+    rounds of steps / rounds steps each, so that a drift of the machine's speed (30% here) falls
+    on every checkout alike. held: {label: (step, cache, untimed warm-up steps first)}."""
     times = {label: [] for label in held}
     with torch.no_grad():
+        for step, cache, warm in held.values():
+            decode_steps(step, cache, batch, warm, "cpu")
         for _ in range(rounds):
-            for label, (model, cache) in held.items():
-                times[label] += decode_steps(model, cache, batch, max(1, steps // rounds), "cpu")
+            for label, (step, cache, _) in held.items():
+                times[label] += decode_steps(step, cache, batch, max(1, steps // rounds), "cpu")
     return {label: 1e3 * statistics.median(t) for label, t in times.items()}
 
 
-def run(models, attn, T, steps, batch, rounds=1):
+def run(models, attn, T, steps, batch, rounds=1, compile=False):
     """{label: (prefill s, median decode ms at batch 1, at `batch`)} of `attn` at T, every
     checkout prefilled, then their steps interleaved (`interleaved`); the last None where batch
-    is 1 or a checkout's cache cannot repeat its batch (before KVCache.repeat_batch)."""
+    is 1 or a checkout's cache cannot repeat its batch (before KVCache.repeat_batch). compile:
+    the steps through each checkout's compile_decoding, warmed up at each batch first."""
     held, prefills = {}, {}
     for label, m in models.items():
-        model, cache, prefills[label] = prefill(m, attn, T)
-        held[label] = (model, cache)
-        print(f"  T={T} {attn} {label}: prefill {prefills[label]:.2f} s", flush=True)
+        if compile and not hasattr(m, "compile_decoding"):
+            raise SystemExit(f"decode_ab.py --compile: checkout {label!r} has no model.compile_decoding "
+                             "(it came after 39f007a): compare it without --compile")
+        warm, how = 0, "eager"
+        capacity = T + 2 * (steps + 32) if compile else 0  # fixed buffers: a growth is a graph of its own
+        model, cache, prefills[label] = prefill(m, attn, T, capacity)
+        if compile:
+            (model, how), warm = m.compile_decoding(model), warm_steps(model)
+        held[label] = (model, cache, warm)
+        print(f"  T={T} {attn} {label}: prefill {prefills[label]:.2f} s, steps {how}", flush=True)
     one = interleaved(held, steps, rounds, 1)
     many = dict.fromkeys(held)
-    if batch > 1 and all(hasattr(layer, "repeat_batch") for _, cache in held.values() for layer in cache):
-        for _, cache in held.values():
+    if batch > 1 and all(hasattr(layer, "repeat_batch") for _, cache, _ in held.values() for layer in cache):
+        for _, cache, _ in held.values():
             for layer in cache:
                 layer.repeat_batch(batch)
         many = interleaved(held, steps, rounds, batch)
@@ -81,6 +95,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=1, help="also decode at this batch (the cache repeated)")
     p.add_argument("--rounds", type=int, default=5, help="the checkouts' decoding steps taken in turns, this many rounds")
+    p.add_argument("--compile", action="store_true", help="the steps through each checkout's model.compile_decoding")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     trees = [c.split("=", 1) for c in args.checkouts]
@@ -91,7 +106,7 @@ def main(argv=None):
     rows = {}
     for T in (int(t) for t in args.lengths.split(",")):
         for attn in variants:
-            for label, row in run(models, attn, T, args.steps, args.batch, args.rounds).items():
+            for label, row in run(models, attn, T, args.steps, args.batch, args.rounds, args.compile).items():
                 rows[T, attn, label] = row
                 print(f"  T={T} {attn} {label}: decode {row[1]:.1f} ms" + (f", batch {args.batch} {row[2]:.1f} ms"
                                                                           if row[2] else ""), flush=True)

@@ -354,6 +354,19 @@ def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
     assert "decode_ms" in rows["nsa"] and "decode_ms" in rows["full"]
 
 
+def test_decode_ab_compiles_each_checkouts_steps(tmp_path):
+    """decode_ab.py --compile: every checkout's steps through its own model.compile_decoding
+    (said per row), timed after warm-up steps, in the same table."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_ab.py"), f"a={ROOT}",
+                        "--lengths=64", "--variants=local", "--steps=2", "--batch=2", "--compile"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    said = [line for line in r.stdout.splitlines() if "prefill" in line and line.strip().startswith("T=64")]
+    assert len(said) == 2 and all("steps compiled (torch.compile" in line for line in said), said
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| local | 64 | a |")]
+    assert len(rows) == 1 and float(rows[0].split("|")[6]) > 0
+
+
 def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
     """benchmarks/decode_ab.py with two labels for this checkout: a row per T, variant and
     checkout; full's ratios are 1; a variant's 'x full' is its decode time over the same
