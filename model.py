@@ -157,7 +157,7 @@ class Rows:
         self.start = 0
         # On a CPU, store the positions as the fastest-moving dim ((..., X, capacity) in memory,
         # the same (..., capacity, X) tensor to every reader): for a summary a kernel reads along
-        # the keys (asga's per-key gate term, `keys_last_summaries`)
+        # the keys (asga's per-key gate term, nsa's compressed values: `keys_last_summaries`)
         self.keys_last = keys_last
 
     def _zeros(self, like, rows):
@@ -279,7 +279,9 @@ class KVCache:
             new = new if isinstance(new, tuple) else (new,)
             if self.summaries is None:
                 held = self.capacity // stride + 2 if self.capacity else 0  # windows in `capacity` positions, a spare
-                self.summaries = tuple(Rows(keys_last=layer.keys_last_summaries, capacity=held) for _ in new)
+                keys_last = layer.keys_last_summaries
+                keys_last = keys_last if isinstance(keys_last, tuple) else (keys_last,) * len(new)
+                self.summaries = tuple(Rows(keys_last=last, capacity=held) for last in keys_last)
             for rows, s in zip(self.summaries, new):
                 rows.append(s)
             for rows in self.pending:  # keep the inputs of the windows still incomplete
