@@ -97,16 +97,31 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@torch.library.custom_op("sparse_attention::decode_linear", mutates_args=())
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a dense weight, opaque to inductor: inside a compiled decoding step
+    the weights' products stay oneDNN's (inductor lowers a linear to MKL's mm, and its own
+    lowering of this op takes only weights it packed itself). Qwen-134m's weights, 2 layers,
+    one thread: 4.05 ms against mm's 5.00 at batch 1, 7.39 against 8.25 at batch 8."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@decode_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized products on a CPU run through oneDNN's linear
     (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU code calls) instead of MKL's:
-    at most ROWS rows, float32, no gradient, outside autocast and torch.compile. A step's
-    products over qwen-134m's weights (2 layers, one thread) took 0.86x MKL's time at batch 1
-    and 0.91x at batch 8 on this project's CPU, side by side (docs/performance.md), and they
-    are the floor under every variant's step; larger calls measured 0.87-1.00x and stay on
-    F.linear, as do every gradient, every GPU and any CPU whose torch lacks the op (said once).
-    Model turns its nn.Linear modules into this class in place (the same parameters, ties
-    and state_dict keys), so attention.py reads as nn.Linear; which ran is said once."""
+    at most ROWS rows, float32, no gradient, outside autocast; inside a compiled step through
+    `decode_linear`. A step's products over qwen-134m's weights (2 layers, one thread) took
+    0.86x MKL's time at batch 1 and 0.91x at batch 8 on this project's CPU, side by side
+    (docs/performance.md), and they are the floor under every variant's step; larger calls
+    measured 0.87-1.00x and stay on F.linear, as do every gradient, every GPU and any CPU
+    whose torch lacks the op (said once). Model turns its nn.Linear modules into this class
+    in place (the same parameters, ties and state_dict keys), so attention.py reads as
+    nn.Linear; which ran is said once (outside a trace)."""
     ROWS = 64
     usable = None  # whether this torch has the op (checked at the first decode-sized call)
     path = None
@@ -115,8 +130,11 @@ class DecodeLinear(nn.Linear):
         if (not torch.is_grad_enabled() and x.device.type == "cpu"  # a training step stops at the first test
                 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
                 and x.numel() <= self.ROWS * x.shape[-1]
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-                and self._usable()):
+                and not torch.is_autocast_enabled("cpu")):
+            if torch.compiler.is_compiling():  # a compiled step: `usable` found before (compile_decoding)
+                return decode_linear(x, self.weight, self.bias) if DecodeLinear.usable else F.linear(x, self.weight, self.bias)
+            if not self._usable():
+                return F.linear(x, self.weight, self.bias)
             try:
                 y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
                 DecodeLinear._say("oneDNN (torch.ops.mkldnn._linear_pointwise)")
@@ -445,6 +463,7 @@ def compile_decoding(model, **compile_kwargs):
     # recompile limit, per code object, and Model.forward's would hold every model's compiled
     # in the process (a benchmark compiles nine)
     forward = types.FunctionType(forward.__code__.replace(), globals(), "decoding_step", None, forward.__closure__)
+    DecodeLinear._usable()  # found eagerly: a compiled step reads it (a check inside the trace would break it)
     compiled = torch.compile(forward, dynamic=True, **compile_kwargs)
 
     def step(idx, cache):

@@ -298,6 +298,36 @@ def test_decoding_through_the_compiled_gathered_rows_equals_recomputation(name):
         kernels.GatheredDots.COMPILE = old
 
 
+def test_a_compiled_step_keeps_its_products_with_the_weights_on_onednn():
+    """Inside a compiled decoding step every weight product is model.decode_linear (oneDNN's
+    linear, opaque to inductor, which would lower it to MKL's mm): the graph dynamo hands the
+    backend calls it once per nn.Linear of the model, and calls no other linear or matmul."""
+    from torch._dynamo.backends.debugging import aot_eager
+    from torch._guards import CompileContext
+    graphs = {}  # by compile id: a restarted analysis hands the backend one graph twice
+
+    def recording(gm, example_inputs):
+        graphs[str(CompileContext.current_compile_id())] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        return aot_eager(gm, example_inputs)
+
+    model = tiny("full")
+    idx = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(5))
+    try:
+        with torch.no_grad():
+            cache = model.new_cache(60)
+            model(idx[:, :-1], cache=cache)
+            step, _ = model_module.compile_decoding(model, backend=recording)
+            step(idx[:, -1:], cache)
+    finally:
+        torch._dynamo.reset()
+    (targets,) = graphs.values()  # one step, one graph
+    want = "sparse_attention.decode_linear.default"
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert targets.count(want) == linears, sorted(set(targets))
+    others = [t for t in targets if t != want and any(w in t for w in ("linear", "matmul", "addmm", "method mm "))]
+    assert not others, others
+
+
 def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
     """Every nn.Linear of a Model is a DecodeLinear (the same parameters, ties and state_dict
     keys); a no-grad float32 call of a few rows on a CPU runs oneDNN's linear and says so, and
