@@ -133,17 +133,16 @@ class DecodeLinear(nn.Linear):
                 and x.numel() <= self.ROWS * x.shape[-1]
                 and not torch.is_autocast_enabled("cpu")):
             if torch.compiler.is_compiling():  # a compiled step: `usable` found before (compile_decoding)
-                use = decode_linear if DecodeLinear.usable else F.linear
-                return use(x, self.weight, self.bias)
-            if not self._usable():
-                return F.linear(x, self.weight, self.bias)
-            try:
-                y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-                DecodeLinear._say("oneDNN (torch.ops.mkldnn._linear_pointwise)")
-                return y
-            except RuntimeError as e:  # an input oneDNN refuses: this call and the next through F.linear
-                DecodeLinear.usable = False
-                DecodeLinear._say(f"F.linear (oneDNN refused: {str(e).strip().splitlines()[0][:160]})")
+                if DecodeLinear.usable:
+                    return decode_linear(x, self.weight, self.bias)
+            elif self._usable():
+                try:
+                    y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+                    DecodeLinear._say("oneDNN (torch.ops.mkldnn._linear_pointwise)")
+                    return y
+                except RuntimeError as e:  # an input oneDNN refuses: this call and the next through F.linear
+                    DecodeLinear.usable = False
+                    DecodeLinear._say(f"F.linear (oneDNN refused: {str(e).strip().splitlines()[0][:160]})")
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
