@@ -165,8 +165,10 @@ Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention comb
 def expand_kv(k_BHSD, n_head):
     """Grouped-query attention: repeat each key/value head for the query heads that share it,
     as attention.expand_kv does (a copy: the FlexAttention path uses enable_gqa instead, the
-    DECODE path stacks a key head's query heads as rows, `_head_rows`)."""
-    return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
+    DECODE path stacks a key head's query heads as rows, `_head_rows`); without groups the
+    tensor itself, not a copy."""
+    G = n_head // k_BHSD.shape[1]
+    return k_BHSD if G == 1 else k_BHSD.repeat_interleave(G, dim=1)
 
 
 def ceil_div(a, b):
@@ -754,64 +756,95 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: block attention
 
+DISPATCH_PAIRS = 1 << 13  # (query, slot) pairs per span of `BlockDispatch`'s loops: 2 MB of float32 query rows
+
+
+def pair_spans(sizes):
+    """[(a, b, [(g, s, e), ..]), ..]: the pairs sorted by group cut into spans of whole groups,
+    each about `span` pairs (a group larger than that is a span of its own); group g's pairs
+    are the span's rows s .. e - 1, the sorted pairs a + s .. a + e - 1. Empty groups left out."""
+    span = DISPATCH_PAIRS
+    spans, groups, a, at = [], [], 0, 0
+    for g, size in enumerate(sizes):
+        if size:
+            groups.append((g, at - a, at - a + size))
+            at += size
+            if at - a >= span:
+                spans.append((a, at, groups))
+                groups, a = [], at
+    if groups:
+        spans.append((a, at, groups))
+    return spans
+
+
 class BlockDispatch(torch.autograd.Function):
     """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
     key and value blocks kb, vb (G, block, D), pair (P,) indices into BHT * n sorted by group,
-    sizes (G,) pairs per group, hidden (BHT, n * block) True where a slot's key is not
-    visible. Forward: per group, its queries' rows @ its keys into the (BHT n, block) logits,
-    one softmax per query (0 for a query that sees no key), per group its probabilities @ its
-    values added into the outputs. Keeps the probabilities (BHT, n * block); the backward
-    runs the same loops over the groups. Why a Function: autograd over the per-group
-    matmuls kept the gathered (P, D) query rows and concatenated every group's logits,
-    outputs and gradients (aten::cat, index_select and copy_ were half of the op's time at
-    T = 8192); here each group's rows are gathered where they are used and its results go
-    straight into place."""
+    sizes (G,) pairs per group. Every key of a listed block is visible but in the pairs at
+    sorted positions `partial` (a query's own block, a block that starts before the first
+    key), where `hidden` (len(partial), block) is True.
+
+    Everything stays in the pairs' sorted order, as [MoBA]'s own code keeps it (its varlen
+    attention over each block's queries): per group, its queries' rows @ its keys into its
+    slice of the (P, block) logits; each query's softmax over its n slots then runs as a
+    segmented one, the max over a query's pairs by scatter_reduce and the sum by index_add_
+    (a query that sees no key gets 0); per group its probabilities @ its values, added into
+    its queries' outputs. The loops go over spans of whole groups (`pair_spans`): a span's
+    query rows are gathered in one index_select and its outputs placed in one index_add_.
+    Placing each pair's logits at its query (a (BHT n, block) array, one softmax over each
+    row) and gathering and placing each group's rows on its own took 2.5x this (nsa's
+    prefill, T = 16384). Keeps the probabilities (P, block) and the output; the backward
+    uses rowsum(dP * P) = dO . O for the softmax ([Flash]) and needs no segmented op.
+    Why a Function: autograd over the per-group matmuls kept the gathered rows and
+    concatenated every group's logits, outputs and gradients."""
 
     @staticmethod
-    def forward(ctx, q, kb, vb, pair, sizes, hidden):
-        n = hidden.shape[1] // kb.shape[1]
-        groups = [(g, idx, idx // n) for g, idx in enumerate(pair.split(sizes)) if len(idx)]
-        logits = q.new_full((hidden.numel() // kb.shape[1], kb.shape[1]), NEG_INF)  # (BHT n, block)
+    def forward(ctx, q, kb, vb, pair, sizes, n, partial, hidden):
+        BHT, D = q.shape
+        spans = pair_spans(sizes)
+        rows = pair // n  # each sorted pair's query row
+        logits = q.new_empty(len(pair), kb.shape[1])  # (P, block), sorted by group
         with one_thread():  # per-group ops too small to split (see `one_thread`)
-            for g, idx, rows in groups:
-                logits.index_copy_(0, idx, q.index_select(0, rows) @ kb[g].T)
-        logits = logits.view(hidden.shape).masked_fill_(hidden, NEG_INF)  # (BHT, n * block)
-        empty = hidden.all(-1)  # a query with no visible key gets 0, as in the reference
-        if bool(empty.any()):
-            logits[empty] = 0.0
-        p = torch.softmax(logits, -1)
-        if bool(empty.any()):
-            p[empty] = 0.0
-        p_pairs = p.view(-1, kb.shape[1])
+            for a, b, groups in spans:
+                q_rows = q.index_select(0, rows[a:b])
+                for g, s, e in groups:
+                    torch.mm(q_rows[s:e], kb[g].T, out=logits[a + s:a + e])
+        logits[partial] = logits[partial].masked_fill_(hidden, NEG_INF)
+        top = q.new_full((BHT,), NEG_INF).scatter_reduce_(0, rows, logits.amax(-1), "amax")  # each query's max
+        top.masked_fill_(top == NEG_INF, 0.0)  # a query that sees no key: its logits stay -inf, exp 0
+        p = logits.sub_(top[rows, None]).exp_()
+        total = q.new_zeros(BHT).index_add_(0, rows, p.sum(-1))
+        p.div_(total.clamp_(min=1.0)[rows, None])  # total >= 1 wherever a key is seen (its max term is exp 0)
         out = torch.zeros_like(q)
-        with one_thread():  # per-group ops too small to split (see `one_thread`)
-            for g, idx, rows in groups:
-                out.index_add_(0, rows, p_pairs.index_select(0, idx) @ vb[g])
-        ctx.save_for_backward(q, kb, vb, p)
-        ctx.groups = groups
+        with one_thread():
+            for a, b, groups in spans:
+                part = q.new_empty(b - a, vb.shape[-1])
+                for g, s, e in groups:
+                    torch.mm(p[a + s:a + e], vb[g], out=part[s:e])
+                out.index_add_(0, rows[a:b], part)
+        ctx.save_for_backward(q, kb, vb, p, rows, out)
+        ctx.spans = spans
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, kb, vb, p = ctx.saved_tensors
+        q, kb, vb, p, rows, out = ctx.saved_tensors
         d_out = d_out.contiguous()
-        block = kb.shape[1]
-        p_pairs = p.view(-1, block)
+        dot = (d_out * out).sum(-1)  # (BHT,) rowsum(dP * P) of each query's softmax
         dq, dkb, dvb = torch.zeros_like(q), torch.zeros_like(kb), torch.zeros_like(vb)
-        dp = torch.zeros_like(p_pairs)  # (BHT n, block): 0 where no pair
         with one_thread():  # per-group ops too small to split (see `one_thread`)
-            for g, idx, rows in ctx.groups:
-                d_out_g = d_out.index_select(0, rows)
-                torch.mm(p_pairs.index_select(0, idx).T, d_out_g, out=dvb[g])
-                dp.index_copy_(0, idx, d_out_g @ vb[g].T)
-        dp = dp.view(p.shape)
-        dlogits = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).view(-1, block)  # softmax's backward
-        with one_thread():  # per-group ops too small to split (see `one_thread`)
-            for g, idx, rows in ctx.groups:
-                dlogits_g = dlogits.index_select(0, idx)
-                dq.index_add_(0, rows, dlogits_g @ kb[g])
-                torch.mm(dlogits_g.T, q.index_select(0, rows), out=dkb[g])
-        return dq, dkb, dvb, None, None, None
+            for a, b, groups in ctx.spans:
+                d_rows, q_rows = d_out.index_select(0, rows[a:b]), q.index_select(0, rows[a:b])
+                d_logits, part = q.new_empty(b - a, kb.shape[1]), q.new_empty(b - a, q.shape[1])
+                for g, s, e in groups:
+                    torch.mm(p[a + s:a + e].T, d_rows[s:e], out=dvb[g])
+                    torch.mm(d_rows[s:e], vb[g].T, out=d_logits[s:e])
+                d_logits.sub_(dot[rows[a:b], None]).mul_(p[a:b])  # softmax's backward
+                for g, s, e in groups:
+                    torch.mm(d_logits[s:e], kb[g], out=part[s:e])
+                    torch.mm(d_logits[s:e].T, q_rows[s:e], out=dkb[g])
+                dq.index_add_(0, rows[a:b], part)
+        return dq, dkb, dvb, *[None] * 5
 
 
 def block_dispatch(q, k, v, blocks, off, block, first):
@@ -831,8 +864,9 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
-    kb = to_blocks(F.pad(k, (0, 0, before, 0)), block)  # (B, H, nb, block, D), block 0 = first // block
-    vb = to_blocks(F.pad(v, (0, 0, before, 0)), block)
+    after = -(before + S) % block
+    kb, vb = (F.pad(x, (0, 0, before, after)) if before or after else x for x in (k, v))  # F.pad copies even when 0
+    kb, vb = kb.unflatten(2, (-1, block)), vb.unflatten(2, (-1, block))  # (B, H, nb, block, D), block 0 = first // block
     nb = kb.shape[2]
     rel = blocks - first // block  # (B, H, T, n) block index in kb
     ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
@@ -842,16 +876,17 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     order = torch.argsort(group.flatten()[pair], stable=True)
     pair = pair[order]
     sizes = torch.bincount(group.flatten()[pair], minlength=B * H * nb).tolist()  # pairs per group
-    # visible: key position blocks * block + j <= the query's (so < first + S too) and >= first;
-    # offsets into the block, (B, H, T, n), compared once with the block's (block,) positions
-    # instead of building the (B, H, T, n, block) positions
-    q_pos = first + off + torch.arange(T, device=q.device)[:, None]  # (T, 1)
+    # visible: the keys j of a listed block at offsets lo <= j <= hi, lo = first - its start (keys
+    # before the first: only in block first // block), hi = the query's position - its start (the
+    # query's own block, or a later one); every other listed block is visible whole
+    start = (blocks * block).flatten()[pair]
+    hi = first + off + pair // n % T - start  # (P,)
+    lo = first - start
+    partial = ((hi < block - 1) | (lo > 0)).nonzero().squeeze(1)  # sorted positions
     inside = torch.arange(block, device=q.device)
-    hidden = ~ok[..., None] | (inside > (q_pos - blocks * block)[..., None])  # (B, H, T, n, block)
-    if before:  # keys of the first block that precede the first key
-        hidden |= inside < (first - blocks * block)[..., None]
+    hidden = (inside > hi[partial, None]) | (inside < lo[partial, None])  # (len(partial), block)
     out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
-                              pair, sizes, hidden.view(B * H * T, n * block))
+                              pair, sizes, n, partial, hidden)
     return out.view(B, H, T, D)
 
 

@@ -385,6 +385,27 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     assert rel(flex, ref) < 1e-5
 
 
+@pytest.mark.parametrize("span", [1, 7, 40])
+def test_block_attention_over_many_spans_equals_the_reference(monkeypatch, span):
+    """The blockwise form's loops over spans of groups (one group, a few, many per span; one
+    span in the test above): outputs and gradients as the reference's."""
+    monkeypatch.setattr(kernels, "DISPATCH_PAIRS", span)
+    T, q_start, k_start, block = 50, 20, 4, 8
+    g = torch.Generator().manual_seed(span)
+    q = torch.randn(2, 4, T, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, q_start + T - k_start, 8, generator=g).requires_grad_() for _ in range(2))
+    blocks = random_blocks(2, 4, T, q_start, block, 4, span)
+    cot = torch.randn(2, 4, T, 8, generator=g)
+    ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+    out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
+    spans = kernels.pair_spans([2, 2, 0, 2, 2, 2])  # 10 pairs in 5 groups: spans of whole groups
+    assert len(spans) == {1: 5, 7: 2, 40: 1}[span]
+    assert [(a + s, a + e) for a, b, groups in spans for g, s, e in groups] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert rel(out, ref) < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
+        assert rel(a, b) < 1e-4
+
+
 def test_block_attention_with_no_visible_key_gives_zero():
     """A query whose list holds no visible key (all slots empty, or only a block before the
     first cached key) gets 0 and no NaN, on the blockwise path as in the reference."""
