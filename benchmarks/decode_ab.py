@@ -12,7 +12,10 @@ kernel='fused', one thread) and driven only through `new_cache()` and `model(idx
 which every checkout has. Per T and variant, every checkout prefills (one after the other),
 then their decoding steps take turns (--rounds rounds of --steps / --rounds steps each, at
 batch 1, then at --batch), each checkout's median over all its steps: a drift of the
-machine's speed between runs (30% here) falls on both sides alike.
+machine's speed between runs (30% here) falls on both sides alike. --prefills=N: the
+prefills too, N rounds in turns, the checkouts' order reversed every other round (A B B A),
+the median of each checkout's N: one prefill a side read a change to nsa's prefill as 1.06x
+its time before at 32768, where four in turns at 16384 read 0.84x.
 
 --compile: each checkout's steps through its own `model.compile_decoding`, its cache made with
 a fixed capacity and untimed warm-up steps at each batch first (decode.py's `warm_steps`), as
@@ -59,23 +62,33 @@ def interleaved(held, steps, rounds, batch):
     return {label: 1e3 * statistics.median(t) for label, t in times.items()}
 
 
-def run(models, attn, T, steps, batch, rounds=1, compile=False):
+def run(models, attn, T, steps, batch, rounds=1, compile=False, prefills=1):
     """{label: (prefill s, median decode ms at batch 1, at `batch`)} of `attn` at T, every
-    checkout prefilled, then their steps interleaved (`interleaved`); the last None where batch
-    is 1 or a checkout's cache cannot repeat its batch (before KVCache.repeat_batch). compile:
-    the steps through each checkout's compile_decoding, warmed up at each batch first."""
-    held, prefills = {}, {}
+    checkout prefilled (`prefills` rounds in turns, the order reversed every other round; the
+    median, and the last round's cache kept), then their steps interleaved (`interleaved`); the
+    last None where batch is 1 or a checkout's cache cannot repeat its batch (before
+    KVCache.repeat_batch). compile: the steps through each checkout's compile_decoding, warmed
+    up at each batch first."""
     for label, m in models.items():
         if compile and not hasattr(m, "compile_decoding"):
             raise SystemExit(f"decode_ab.py --compile: checkout {label!r} has no model.compile_decoding "
                              "(it came after 39f007a): compare it without --compile")
-        warm, how = 0, "eager"
-        capacity = T + 2 * (steps + 32) if compile else 0  # fixed buffers: a growth is a graph of its own
-        model, cache, prefills[label] = prefill(m, attn, T, capacity)
+    capacity = T + 2 * (steps + 32) if compile else 0  # fixed buffers: a growth is a graph of its own
+    built, times = {}, {label: [] for label in models}
+    for r in range(prefills):
+        for label, m in list(models.items())[::1 if r % 2 == 0 else -1]:
+            built.pop(label, None)  # the last round's model and cache free before the next is made
+            model, cache, seconds = prefill(m, attn, T, capacity)
+            built[label] = model, cache
+            times[label].append(seconds)
+            print(f"  T={T} {attn} {label}: prefill {seconds:.2f} s", flush=True)
+    held, prefilled = {}, {label: statistics.median(t) for label, t in times.items()}
+    for label, m in models.items():
+        (model, cache), warm, how = built[label], 0, "eager"
         if compile:
             (model, how), warm = m.compile_decoding(model), warm_steps(model)
         held[label] = (model, cache, warm)
-        print(f"  T={T} {attn} {label}: prefill {prefills[label]:.2f} s, steps {how}", flush=True)
+        print(f"  T={T} {attn} {label}: steps {how}", flush=True)
     one = interleaved(held, steps, rounds, 1)
     many = dict.fromkeys(held)
     if batch > 1 and all(hasattr(layer, "repeat_batch") for _, cache, _ in held.values() for layer in cache):
@@ -83,7 +96,7 @@ def run(models, attn, T, steps, batch, rounds=1, compile=False):
             for layer in cache:
                 layer.repeat_batch(batch)
         many = interleaved(held, steps, rounds, batch)
-    return {label: (prefills[label], one[label], many[label]) for label in held}
+    return {label: (prefilled[label], one[label], many[label]) for label in held}
 
 
 def main(argv=None):
@@ -96,6 +109,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1, help="also decode at this batch (the cache repeated)")
     p.add_argument("--rounds", type=int, default=5, help="the checkouts' decoding steps taken in turns, this many rounds")
     p.add_argument("--compile", action="store_true", help="the steps through each checkout's model.compile_decoding")
+    p.add_argument("--prefills", type=int, default=1, help="each checkout's prefill this many times, in turns (median)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     trees = [c.split("=", 1) for c in args.checkouts]
@@ -106,18 +120,19 @@ def main(argv=None):
     rows = {}
     for T in (int(t) for t in args.lengths.split(",")):
         for attn in variants:
-            for label, row in run(models, attn, T, args.steps, args.batch, args.rounds, args.compile).items():
+            for label, row in run(models, attn, T, args.steps, args.batch, args.rounds, args.compile, args.prefills).items():
                 rows[T, attn, label] = row
                 print(f"  T={T} {attn} {label}: decode {row[1]:.1f} ms" + (f", batch {args.batch} {row[2]:.1f} ms"
                                                                           if row[2] else ""), flush=True)
     wide = f" decode ms, batch {args.batch} | x full | / first checkout's |" if args.batch > 1 else ""
-    print(f"\n| variant | T | checkout | prefill s | x full | decode ms | x full | decode / first checkout's |{wide}")
-    print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * bool(wide))
+    print(f"\n| variant | T | checkout | prefill s | x full | prefill / first checkout's | decode ms | x full "
+          f"| decode / first checkout's |{wide}")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|---|---|" * bool(wide))
     first = trees[0][0]
     for (T, attn, label), (prefill, ms, many) in rows.items():
         full, before = rows[T, "full", label], rows[T, attn, first]
-        line = (f"| {attn} | {T} | {label} | {prefill:.2f} | {prefill / full[0]:.2f} | {ms:.1f} | {ms / full[1]:.2f} "
-                f"| {ms / before[1]:.2f} |")
+        line = (f"| {attn} | {T} | {label} | {prefill:.2f} | {prefill / full[0]:.2f} | {prefill / before[0]:.2f} "
+                f"| {ms:.1f} | {ms / full[1]:.2f} | {ms / before[1]:.2f} |")
         if wide:
             cells = ["-", "-", "-"] if many is None else [f"{many:.1f}", f"{many / full[2]:.2f}",
                                                           f"{many / before[2]:.2f}" if before[2] else "-"]

@@ -361,26 +361,32 @@ def test_decode_ab_compiles_each_checkouts_steps(tmp_path):
                         "--lengths=64", "--variants=local", "--steps=2", "--batch=2", "--compile"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    said = [line for line in r.stdout.splitlines() if "prefill" in line and line.strip().startswith("T=64")]
+    said = [line for line in r.stdout.splitlines() if "steps" in line and line.strip().startswith("T=64")]
     assert len(said) == 2 and all("steps compiled (torch.compile" in line for line in said), said
     rows = [line for line in r.stdout.splitlines() if line.startswith("| local | 64 | a |")]
-    assert len(rows) == 1 and float(rows[0].split("|")[6]) > 0
+    assert len(rows) == 1 and float(rows[0].split("|")[7]) > 0
 
 
 def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
     """benchmarks/decode_ab.py with two labels for this checkout: a row per T, variant and
     checkout; full's ratios are 1; a variant's 'x full' is its decode time over the same
-    checkout's full, at batch 1 and at --batch."""
+    checkout's full, at batch 1 and at --batch; --prefills=3: each checkout's prefill three
+    times in turns, the order reversed every other round, the median in the table."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_ab.py"), f"a={ROOT}", f"b={ROOT}",
-                        "--lengths=64", "--variants=local", "--steps=2", "--batch=3"], cwd=tmp_path,
+                        "--lengths=64", "--variants=local", "--steps=2", "--batch=3", "--prefills=3"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
             for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line and "variant" not in line}
     assert set(rows) == {(v, "64", c) for v in ("full", "local") for c in "ab"}
-    assert rows["full", "64", "a"][1] == rows["full", "64", "a"][3] == "1.00"
+    assert rows["full", "64", "a"][1] == rows["full", "64", "a"][4] == rows["local", "64", "a"][2] == "1.00"
     for c in "ab":
         local, full = rows["local", "64", c], rows["full", "64", c]
-        assert float(local[3]) == pytest.approx(float(local[2]) / float(full[2]), rel=0.03, abs=0.01)  # printed rounded
-        assert float(local[6]) == pytest.approx(float(local[5]) / float(full[5]), rel=0.03, abs=0.01)  # at batch 3
-        assert full[6] == "1.00" and float(local[7]) > 0
+        assert float(local[4]) == pytest.approx(float(local[3]) / float(full[3]), rel=0.03, abs=0.01)  # printed rounded
+        assert float(local[7]) == pytest.approx(float(local[6]) / float(full[6]), rel=0.03, abs=0.01)  # at batch 3
+        assert full[7] == "1.00" and float(local[8]) > 0
+    said = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("T=64 local") and "prefill" in line]
+    assert [words[2].rstrip(":") for words in said] == ["a", "b", "b", "a", "a", "b"]
+    for c in "ab":
+        mine = [float(words[4]) for words in said if words[2] == f"{c}:"]
+        assert rows["local", "64", c][0] == f"{statistics.median(mine):.2f}"
