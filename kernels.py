@@ -165,10 +165,8 @@ Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention comb
 def expand_kv(k_BHSD, n_head):
     """Grouped-query attention: repeat each key/value head for the query heads that share it,
     as attention.expand_kv does (a copy: the FlexAttention path uses enable_gqa instead, the
-    DECODE path stacks a key head's query heads as rows, `_head_rows`); without groups the
-    tensor itself, not a copy."""
-    G = n_head // k_BHSD.shape[1]
-    return k_BHSD if G == 1 else k_BHSD.repeat_interleave(G, dim=1)
+    DECODE path stacks a key head's query heads as rows, `_head_rows`)."""
+    return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 
 def ceil_div(a, b):
@@ -864,9 +862,8 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
-    after = -(before + S) % block
-    kb, vb = (F.pad(x, (0, 0, before, after)) if before or after else x for x in (k, v))  # F.pad copies even when 0
-    kb, vb = kb.unflatten(2, (-1, block)), vb.unflatten(2, (-1, block))  # (B, H, nb, block, D), block 0 = first // block
+    kb = to_blocks(F.pad(k, (0, 0, before, 0)), block)  # (B, H, nb, block, D), block 0 = first // block
+    vb = to_blocks(F.pad(v, (0, 0, before, 0)), block)  # (F.pad's copy: each block's rows contiguous)
     nb = kb.shape[2]
     rel = blocks - first // block  # (B, H, T, n) block index in kb
     ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
