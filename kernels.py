@@ -1019,20 +1019,13 @@ class CompressedAttention(torch.autograd.Function):
     rowsum(dO * O) for the softmax's backward. Why not attention.py's function under a
     checkpoint (what ran before): the checkpoint recomputed the output too, and the
     reference's out-of-place masks and zero-row handling made five passes over each (T, C)
-    chunk per direction; here the masking is one in-place pass.
-    One key head (n) at a time, both ways: its keys, values and (T, C) probabilities stay in
-    cache through the passes over them, where all N heads' at once did not (nsa's last 4096
-    queries at T = 32768, one layer: 3.1 s with the N heads together, 1.7 s one by one)."""
+    chunk per direction; here the masking is one in-place pass."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, q_start, length, stride, group, block, J):
-        out = q.new_empty(*q.shape[:2], v.shape[-1])
-        scores = q.new_empty(*q.shape[:2], J) if J else out.new_zeros(0)
-        for n in range(q.shape[0]):
-            p = _compressed_probs(q[n:n + 1], k[n:n + 1], scale, q_start, length, stride, group)
-            torch.bmm(p, v[n:n + 1], out=out[n:n + 1])
-            if J:
-                scores[n:n + 1] = sliding_block_scores(p, J, length, stride, block)
+        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
+        out = torch.bmm(p, v)
+        scores = sliding_block_scores(p, J, length, stride, block) if J else out.new_zeros(0)
         ctx.mark_non_differentiable(scores)
         ctx.save_for_backward(q, k, v, out)
         ctx.geometry = scale, q_start, length, stride, group
@@ -1042,16 +1035,11 @@ class CompressedAttention(torch.autograd.Function):
     def backward(ctx, d_out, _):
         q, k, v, out = ctx.saved_tensors
         scale = ctx.geometry[0]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for n in range(q.shape[0]):
-            at = slice(n, n + 1)
-            p = _compressed_probs(q[at], k[at], *ctx.geometry)
-            torch.bmm(p.transpose(1, 2), d_out[at], out=dv[at])
-            dp = torch.bmm(d_out[at], v[at].transpose(1, 2))  # (1, T, C)
-            dlogits = dp.sub_((d_out[at] * out[at]).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward
-            torch.bmm(dlogits, k[at], out=dq[at])
-            torch.bmm(dlogits.transpose(1, 2), q[at], out=dk[at])
-        return dq, dk, dv, *[None] * 7
+        p = _compressed_probs(q, k, *ctx.geometry)
+        dv = torch.bmm(p.transpose(1, 2), d_out)
+        dp = torch.bmm(d_out, v.transpose(1, 2))  # (N, T, C)
+        dlogits = dp.sub_((d_out * out).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward, scaled
+        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, *[None] * 7
 
 
 def _grouped(q, k_cmp):
