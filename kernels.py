@@ -759,8 +759,9 @@ DISPATCH_PAIRS = 1 << 13  # (query, slot) pairs per span of `BlockDispatch`'s lo
 
 def pair_spans(sizes):
     """[(a, b, [(g, s, e), ..]), ..]: the pairs sorted by group cut into spans of whole groups,
-    each about DISPATCH_PAIRS pairs (a group larger than that is a span of its own); group g's pairs
-    are the span's rows s .. e - 1, the sorted pairs a + s .. a + e - 1. Empty groups left out."""
+    each about DISPATCH_PAIRS pairs (a group larger than that is a span of its own); group g's
+    pairs are the span's rows s .. e - 1, the sorted pairs a + s .. a + e - 1. Empty groups
+    left out."""
     span = DISPATCH_PAIRS
     spans, groups, a, at = [], [], 0, 0
     for g, size in enumerate(sizes):
@@ -791,8 +792,9 @@ class BlockDispatch(torch.autograd.Function):
     query rows are gathered in one index_select and its outputs placed in one index_add_.
     Placing each pair's logits at its query (a (BHT n, block) array, one softmax over each
     row) and gathering and placing each group's rows on its own took 1.5-1.7x this (one
-    layer of nsa's prefill alone at T = 32768: 5.6 s against 3.3-3.7 s). Keeps the probabilities (P, block) and the output; the backward
-    uses rowsum(dP * P) = dO . O for the softmax ([Flash]) and needs no segmented op.
+    layer of nsa's prefill alone at T = 32768: 5.6 s against 3.3-3.7 s). Keeps the
+    probabilities (P, block) and the output; the backward uses rowsum(dP * P) = dO . O for
+    the softmax ([Flash]) and needs no segmented op.
     Why a Function: autograd over the per-group matmuls kept the gathered rows and
     concatenated every group's logits, outputs and gradients."""
 

@@ -14,8 +14,8 @@ then their decoding steps take turns (--rounds rounds of --steps / --rounds step
 batch 1, then at --batch), each checkout's median over all its steps: a drift of the
 machine's speed between runs (30% here) falls on both sides alike. --prefills=N: the
 prefills too, N rounds in turns, the checkouts' order reversed every other round (A B B A),
-the median of each checkout's N: one prefill a side read a change to nsa's prefill as 1.06x
-its time before at 32768, where four in turns at 16384 read 0.84x.
+the median of each checkout's N: one prefill a side falls wherever the machine's drift puts
+it (30% here), as decoding steps do.
 
 --compile: each checkout's steps through its own `model.compile_decoding`, its cache made with
 a fixed capacity and untimed warm-up steps at each batch first (decode.py's `warm_steps`), as

@@ -400,7 +400,7 @@ def test_block_attention_over_many_spans_equals_the_reference(monkeypatch, span)
     out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
     spans = kernels.pair_spans([2, 2, 0, 2, 2, 2])  # 10 pairs in 5 groups: spans of whole groups
     assert len(spans) == {1: 5, 7: 2, 40: 1}[span]
-    assert [(a + s, a + e) for a, b, groups in spans for g, s, e in groups] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert [(a + s, a + e) for a, _, groups in spans for _, s, e in groups] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
         assert rel(a, b) < 1e-4
