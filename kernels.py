@@ -109,8 +109,11 @@ The benchmark is benchmarks/attention.py.
 """
 import contextlib
 import functools
+import getpass
 import math
 import os
+import re
+import tempfile
 from collections import namedtuple
 
 import torch
@@ -127,12 +130,19 @@ def inductor_cache_per_cpu_capability():
     loss, and once a double free, under =avx2 after a native run; =default failed to
     compile). `.ci/run` reruns the parity tests under =avx2 and =default, so each capability
     gets its own cache directory, <torch's default>-<capability>. Nothing changes where
-    TORCHINDUCTOR_CACHE_DIR is set. Runs at import, before anything here compiles."""
+    TORCHINDUCTOR_CACHE_DIR is set. Runs at import, before anything here compiles. The
+    default is named here as torch._inductor.runtime.cache_dir_utils names it (<tmp>/
+    torchinductor_<user>): importing that module loads torch._dynamo, 2-3 s that every
+    process importing kernels.py (each train.py, each torchrun worker) paid whether or not
+    it compiled anything."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
         cap = torch.backends.cpu.get_cpu_capability().lower()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{cap}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{cap}"
 
 
 inductor_cache_per_cpu_capability()
