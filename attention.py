@@ -1050,10 +1050,8 @@ def top_blocks(scores, valid, forced, n, select=top_n, owned=False):
     """(.., T, n) long: each query's n valid blocks of highest score, forced ones first, -1 in
     the slots left when fewer than n are valid; equal scores go to the most recent block
     (`top_n`, or an Ops' `select`, which computes the same), so equal scores read as a window.
-    scores (.., T, J) float, masked in place if `owned` (the caller's: a copy is 0.8 GB for
-    moba at T = 32768); valid, forced (T, J) bool. No gradient: the choice is discrete ([NSA] §6.1).
-    One select over the scores, the rest of each row set from a (T, J) table of +-inf (two
-    masked fills broadcast along B and H took 4x as long on a CPU)."""
+    scores (.., T, J) float, overwritten if `owned` (the caller's: a copy is 0.8 GB for moba at
+    T = 32768); valid, forced (T, J) bool. No gradient: the choice is discrete ([NSA] §6.1)."""
     fill = torch.where(forced, float("inf"), float("-inf")).to(scores.dtype)  # forced first, invalid never
     return select(torch.where(valid & ~forced, scores, fill, out=scores if owned else None), n)
 
