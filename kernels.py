@@ -132,9 +132,9 @@ def inductor_cache_per_cpu_capability():
     gets its own cache directory, <torch's default>-<capability>. Nothing changes where
     TORCHINDUCTOR_CACHE_DIR is set. Runs at import, before anything here compiles. The
     default is named here as torch._inductor.runtime.cache_dir_utils names it (<tmp>/
-    torchinductor_<user>): importing that module loads torch._dynamo, 2-3 s that every
-    process importing kernels.py (each train.py, each torchrun worker) paid whether or not
-    it compiled anything."""
+    torchinductor_<user>): importing that module loads torch._dynamo, 3 s of the 6.6 that
+    `import model` took on a CPU, compiling or not (sample.py, evaluate.py, analyze.py;
+    train.py's rank 0 still loads it, its plan building the model on the meta device)."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         try:
             user = getpass.getuser()
