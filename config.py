@@ -373,6 +373,26 @@ def pretrained_tokenizer(path, mc):
     return tok
 
 
+class _NoRandomFills(torch.overrides.TorchFunctionMode):
+    """nn.init's fills and Tensor.normal_'s kin return their tensor unfilled. On the meta device
+    a random fill runs through torch._refs, whose first call imports torch._dynamo (~3 s), for
+    values a meta model never holds: a dry run or a refused input stops before torch.optim's
+    Optimizer, whose constructor imports it too (a dry run 7-8 s -> 4 s on a CPU)."""
+    FILLS = {getattr(torch.nn.init, name) for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")}
+    FILLS |= {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FILLS:
+            return args[0] if args else kwargs["tensor"]  # nn.init's functions name it ``tensor``
+        return func(*args, **(kwargs or {}))
+
+
+def meta_model_of(mc):
+    """Model(mc) on the meta device: its parameters' names and shapes, no memory, no values."""
+    with torch.device("meta"), _NoRandomFills():
+        return Model(mc)
+
+
 def pretrained_stages(tc, mc, given):
     """--warmup_new_steps with --init_from. indexer follows [DS32] unless told otherwise: its
     dense warm-up (--indexer_warmup) is also the stage in which only the indexer trains, so
@@ -385,8 +405,7 @@ def pretrained_stages(tc, mc, given):
     if not 0 <= tc.warmup_new_steps <= tc.max_steps:
         fail(f"--warmup_new_steps={tc.warmup_new_steps}: must be in 0 .. max_steps={tc.max_steps}")
     if tc.warmup_new_steps:
-        with torch.device("meta"):
-            new = [name for name, source in hf_parameters(Model(mc)).items() if source == NEW]
+        new = [name for name, source in hf_parameters(meta_model_of(mc)).items() if source == NEW]
         if not new:
             fail(f"--warmup_new_steps={tc.warmup_new_steps}: attn={mc.attn} has no new parameters (every one is "
                  f"{tc.init_from}'s), so nothing would train; drop it")
@@ -623,8 +642,7 @@ def shards_command(tc, mc, local=False):
 def print_plan(tc, mc, run, accum, action):
     """The run's plan, printed once (rank 0) before the first step, with the data budget;
     action: what the run does with out_dir (folder_action)."""
-    with torch.device("meta"):  # the parameter count without allocating the weights
-        meta_model = Model(mc)
+    meta_model = meta_model_of(mc)  # the parameter count without allocating the weights
     n_params = meta_model.num_params()
     planned = tc.max_steps * tc.total_batch_tokens
     found, problem = train_tokens_found(tc.data_dir)

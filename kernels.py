@@ -134,7 +134,7 @@ def inductor_cache_per_cpu_capability():
     default is named here as torch._inductor.runtime.cache_dir_utils names it (<tmp>/
     torchinductor_<user>): importing that module loads torch._dynamo, 3 s of the 6.6 that
     `import model` took on a CPU, compiling or not (sample.py, evaluate.py, analyze.py;
-    train.py's rank 0 still loads it, its plan building the model on the meta device)."""
+    train.py until its optimizer: torch.optim's Optimizer imports it)."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         try:
             user = getpass.getuser()

@@ -3,6 +3,7 @@ reductions to `full`, top-k counts, gate gradients, learning, odd lengths, and p
 Hugging Face's Qwen3."""
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,6 +240,29 @@ def test_qwen_134m_parameter_count():
     with torch.device("meta"):
         n = Model(ModelConfig(**PRESETS["qwen-134m"])).num_params()
     assert 130e6 <= n <= 140e6, n
+
+
+def test_meta_model_is_the_runs_model_without_loading_dynamo():
+    """config.meta_model_of (train.py's plan counts its parameters): every variant's parameter
+    names and shapes as Model builds them, and no torch._dynamo import on the way (a meta
+    tensor's random fill imports it: ~3 s of a dry run's 7-8). The import is watched
+    in a fresh process: this one may have loaded it already."""
+    import subprocess
+    import sys
+
+    import config
+    for attn in VARIANTS:
+        cfg = ModelConfig(**dict(PRESETS["tiny"], attn=attn))
+        meta = {n: (p.shape, p.device.type) for n, p in config.meta_model_of(cfg).named_parameters()}
+        real = {n: (p.shape, "meta") for n, p in Model(cfg).named_parameters()}
+        assert meta == real, attn
+    code = ("import sys, config; from model import ModelConfig, PRESETS\n"
+            "for attn in ('full', 'nsa', 'indexer', 'asga'):\n"
+            "    config.meta_model_of(ModelConfig(**dict(PRESETS['qwen-134m'], attn=attn)))\n"
+            "print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(config.__file__).parent, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "False", "building a meta model imported torch._dynamo"
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])
