@@ -379,7 +379,7 @@ class _NoRandomFills(torch.overrides.TorchFunctionMode):
     values a meta model never holds: a dry run or a refused input stops before torch.optim's
     Optimizer, whose constructor imports it too (a dry run 7-8 s -> 4 s on a CPU)."""
     FILLS = {getattr(torch.nn.init, name) for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")}
-    FILLS |= {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_}
+    FILLS |= {torch.Tensor.normal_, torch.Tensor.uniform_}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.FILLS:
