@@ -393,6 +393,14 @@ class CausalSelfAttention(nn.Module):
     # for every summary, or one per summary
     keys_last_summaries = False
 
+    # the same for its keys and values: stored along the keys on a CPU, a decoding step's one
+    # row of q K^T and of p V streams down the positions for each element of D, where reading
+    # rows of D through a transposed view ran at a third to a half of the read bandwidth (op by
+    # op at 8192-32768 keys: q K^T 2.2-2.6x, p V 1.8-1.9x as fast). A variant that gathers
+    # cached rows by index (its selected blocks or keys), or reads only a window's last keys,
+    # keeps them as rows of D (local's step was 1.05x as long along the keys)
+    keys_last_kv = (True, True)
+
     def observe(self, q, k, v, x, q_start, k_start, summary):
         """While recording (`record_gates`), after `attend`: note what analysis reads of this
         forward (gates, selections), from the same stages `attend` ran on the same inputs."""
@@ -489,6 +497,8 @@ class LocalAttention(CausalSelfAttention):
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
     FROM_PRETRAINED = "no new parameters: the window over the pretrained weights, training-free"
 
+    keys_last_kv = (False, False)  # it reads the cache's last keys, a slice: contiguous rows of D
+
     def oldest_key_needed(self, next_pos):
         return max(0, next_pos - self.cfg.window)
 
@@ -561,6 +571,8 @@ class DynamicSparseAttention(CausalSelfAttention):
     def observe(self, q, k, v, x, q_start, k_start, summary):
         if self.cfg.dsa_gate:
             self.note("head_gate", lambda: torch.sigmoid(self.head_gate(x)))
+
+    keys_last_kv = (False, False)  # it reads the cache's last keys, a slice: contiguous rows of D
 
     def oldest_key_needed(self, next_pos):
         window, window_from = self.window()
@@ -877,6 +889,8 @@ class ContextAdaptiveAttention(CausalSelfAttention):
     DYNAMICS = (("mix_gate", "mix gate g (local share) per layer", False),
                 ("window", "local window width (tokens) per layer", False))
 
+    keys_last_kv = (True, False)  # every key scored along the keys; the top-k's values gathered as rows
+
     def observe(self, q, k, v, x, q_start, k_start, summary):
         cfg = self.cfg
         if cfg.caa_gate != "global":
@@ -1021,6 +1035,8 @@ class CombinerAttention(CausalSelfAttention):
         # one summary per block: a decoding step reads them and its own block's keys (the cache
         # keeps that block's keys and queries until it completes), O(s + T/s) per layer
         return self.cfg.window, self.cfg.window
+
+    keys_last_kv = (False, False)  # it reads the cache's last keys, a slice: contiguous rows of D
 
     def oldest_key_needed(self, next_pos):
         # Keep the block of the last token: once complete, the next step summarises it.
@@ -1231,6 +1247,7 @@ class NativeSparseAttention(CausalSelfAttention):
     # D, op by op 1.3-1.9x as fast as reading rows of D (values), 1.15x-1.7x (keys, 1023 to 4095
     # compressed keys at batch 8)
     keys_last_summaries = True
+    keys_last_kv = (False, False)  # its selected blocks are gathered from the cache as rows
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         cfg = self.cfg
@@ -1367,6 +1384,8 @@ class MixtureOfBlockAttention(CausalSelfAttention):
 
     def summary_window(self):
         return self.cfg.moba_block, self.cfg.moba_block  # one mean per block
+
+    keys_last_kv = (False, False)  # its selected blocks are gathered from the cache as rows
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         means = self.summarise(q, k, v, x, k_start) if summary is None else summary
@@ -1591,6 +1610,8 @@ class IndexerAttention(CausalSelfAttention):
 
     def summary_window(self):
         return 1, 1  # one indexer key per position
+
+    keys_last_kv = (False, False)  # its listed keys are gathered from the cache as rows
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         if self.dense_warmup:

@@ -175,8 +175,9 @@ class Rows:
         self.lo = self.hi = 0  # rows lo .. hi - 1 of data hold positions start .. end - 1
         self.start = 0
         # On a CPU, store the positions as the fastest-moving dim ((..., X, capacity) in memory,
-        # the same (..., capacity, X) tensor to every reader): for a summary a kernel reads along
-        # the keys (asga's per-key gate term, nsa's compressed values: `keys_last_summaries`)
+        # the same (..., capacity, X) tensor to every reader): for what a decoding step reads
+        # along the keys (full's keys and values, asga's per-key gate term, nsa's compressed keys
+        # and values: the layer's `keys_last_kv` and `keys_last_summaries`)
         self.keys_last = keys_last
 
     def _zeros(self, like, rows):
@@ -272,6 +273,8 @@ class KVCache:
         without)."""
         if start != self.end:
             raise ValueError(f"the cache holds positions up to {self.end}, not {start}: feed tokens in order")
+        if self.k.data is None:  # the layer says how its keys and values lie (the first append allocates)
+            self.k.keys_last, self.v.keys_last = layer.keys_last_kv
         self.k.append(k)
         self.v.append(v)
         window = layer.summary_window()
