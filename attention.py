@@ -213,6 +213,15 @@ def expand_kv(k_BHSD, n_head):
     return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
 
 
+def grouped_dots(q, keys):
+    """(B, H, T, N): q @ expand_kv(keys, H)^T for q (B, H, T, D) and keys (B, Hkv, N, D), each
+    query head against its key head's N keys without a copy of them per query head: the G
+    query heads of a key head enter one product as its G T rows."""
+    B, H, T, D = q.shape
+    Hkv, N = keys.shape[1], keys.shape[2]
+    return (q.reshape(B, Hkv, H // Hkv * T, D) @ keys.transpose(-2, -1)).view(B, H, T, N)
+
+
 def distances(T, S, q_start, k_start, device):
     """(T, S) long: query position minus key position."""
     q_pos = torch.arange(q_start, q_start + T, device=device)
@@ -1340,7 +1349,7 @@ def moba_select(q, means, q_start, block, topk, select=top_n):
     B, H, T, D = q.shape
     J = ceil_div(q_start + T, block)  # blocks up to the last query's own
     full = means.shape[2]  # complete blocks
-    scores = q.detach().float() @ expand_kv(means.detach().float(), H).transpose(-2, -1)  # (B, H, T, full)
+    scores = grouped_dots(q.detach().float(), means.detach().float())  # (B, H, T, full): eq. 5
     # The incomplete last block has no mean; its score is a 0 pad, read only by that block's
     # own queries, for which it is forced (its score is never compared).
     scores = F.pad(scores, (0, J - full))
@@ -1386,6 +1395,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
         return self.cfg.moba_block, self.cfg.moba_block  # one mean per block
 
     keys_last_kv = (False, False)  # its selected blocks are gathered from the cache as rows
+    keys_last_summaries = True  # a decoding step's q . K_bar streams down the block means
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         means = self.summarise(q, k, v, x, k_start) if summary is None else summary
