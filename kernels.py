@@ -113,6 +113,7 @@ import getpass
 import math
 import os
 import re
+import sys
 import tempfile
 from collections import namedtuple
 
@@ -515,7 +516,7 @@ class GateTile:
     def _say(cls, path):
         if cls.path != path:
             cls.path = path
-            print(f"kernels.py: asga's gate tile: {path}", flush=True)
+            print(f"kernels.py: asga's gate tile: {path}", file=sys.stderr, flush=True)
 
     @classmethod
     def run_compiled(cls, compiled, which, *args):
@@ -1701,7 +1702,7 @@ _pair_gate_said = set()
 def _say_pair_gate(path, why):
     if path not in _pair_gate_said and not torch.compiler.is_compiling():
         _pair_gate_said.add(path)
-        print(f"kernels.py: asga's pair-gated attention: {path} ({why})", flush=True)
+        print(f"kernels.py: asga's pair-gated attention: {path} ({why})", file=sys.stderr, flush=True)
     return path, why
 
 
@@ -2276,7 +2277,7 @@ class GatheredDots:
     def _say(cls, path):
         if cls.path != path:
             cls.path = path
-            print(f"kernels.py: the dots with selected cache rows (GatheredDots): {path}", flush=True)
+            print(f"kernels.py: the dots with selected cache rows (GatheredDots): {path}", file=sys.stderr, flush=True)
 
 
 def gathered_sum(p, table, rows):

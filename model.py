@@ -157,7 +157,7 @@ class DecodeLinear(nn.Linear):
     def _say(cls, path):
         if cls.path != path:
             cls.path = path
-            print(f"model.py: decode-sized linear products on a CPU: {path}", flush=True)
+            print(f"model.py: decode-sized linear products on a CPU: {path}", file=sys.stderr, flush=True)
 
 
 class Rows:

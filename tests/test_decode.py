@@ -344,7 +344,7 @@ def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
     model_module.DecodeLinear.path = None
     with torch.no_grad():
         y = layer(x)
-    assert "oneDNN" in capsys.readouterr().out
+    assert "oneDNN" in capsys.readouterr().err
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
     calls = []
     real = torch.ops.mkldnn._linear_pointwise

@@ -77,7 +77,7 @@ def test_a_failed_compile_falls_back_to_the_eager_tile(compiled, monkeypatch, ca
     check(module, 70)
     check(module, 7)
     assert GateTile.path.startswith("eager (torch.compile failed: RuntimeError: no C++ compiler")
-    said = [line for line in capsys.readouterr().out.splitlines() if "gate tile" in line]
+    said = [line for line in capsys.readouterr().err.splitlines() if "gate tile" in line]
     assert len(said) == 1, said  # said once
 
 
