@@ -216,10 +216,9 @@ def expand_kv(k_BHSD, n_head):
 def grouped_dots(q, keys):
     """(B, H, T, N): q @ expand_kv(keys, H)^T for q (B, H, T, D) and keys (B, Hkv, N, D), each
     query head against its key head's N keys without a copy of them per query head: the G
-    query heads of a key head enter one product as its G T rows."""
-    B, H, T, D = q.shape
-    Hkv, N = keys.shape[1], keys.shape[2]
-    return (q.reshape(B, Hkv, H // Hkv * T, D) @ keys.transpose(-2, -1)).view(B, H, T, N)
+    query heads of a key head enter one product as its G T rows (`kernels._head_rows`)."""
+    B, H, T, _ = q.shape
+    return (kernels._head_rows(q, keys.shape[1]) @ keys.transpose(-2, -1)).view(B, H, T, keys.shape[2])
 
 
 def distances(T, S, q_start, k_start, device):
