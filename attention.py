@@ -99,6 +99,7 @@ A new variant is a subclass of CausalSelfAttention (its reference above it, an e
 VARIANTS); a new fast stage is a reference function here, an `Ops` field, and its versions in
 kernels.BLOCKWISE and kernels.FLEX.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -197,6 +198,22 @@ def rope_cos_sin(pos, head_dim, theta):
     freqs = pos.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
     return emb.cos(), emb.sin()
+
+
+def rope_tables(start, T, head_dim, theta, device):
+    """rope_cos_sin of the positions start .. start + T - 1, the last few answers kept for a
+    call with the same arguments (outside a compiled graph, which computes them in place): a
+    decoding step asks the indexer's (`LightningIndexer.rope`) for one position four times,
+    for its queries and its keys in each layer, each a dozen small ops."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # (inference tensors: no autograd later)
+        return rope_cos_sin(torch.arange(start, start + T, device=device), head_dim, theta)
+    return _kept_rope_tables(start, T, head_dim, theta, torch.device(device))
+
+
+@functools.lru_cache(maxsize=4)
+def _kept_rope_tables(start, T, head_dim, theta, device):
+    with torch.no_grad():  # positions carry no gradient; the tables are read, never written
+        return rope_cos_sin(torch.arange(start, start + T, device=device), head_dim, theta)
 
 
 def apply_rope(x_BHTD, cos, sin):
@@ -1460,7 +1477,7 @@ class LightningIndexer(nn.Module):
     def rope(self, x, start):
         """RoPE on the first half of the last dim of x (B, T, .., d), positions start .."""
         T, half = x.shape[1], self.head_dim // 2
-        cos, sin = rope_cos_sin(torch.arange(start, start + T, device=x.device), half, self.theta)
+        cos, sin = rope_tables(start, T, half, self.theta, x.device)
         shape = (T,) + (1,) * (x.dim() - 3) + (half,)  # broadcast over the heads, if any
         rotated = apply_rope(x[..., :half], cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype))
         return torch.cat([rotated, x[..., half:]], dim=-1)

@@ -2481,7 +2481,7 @@ def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     S = k_idx.shape[1]
     dots = torch.bmm(k_idx.float(), q_idx.float().reshape(B, T * J, d).transpose(1, 2))  # (B, S, T J)
     dots = dots.div_(math.sqrt(d)).relu_().view(B, S, T, J)
-    scores = (dots * w.float()[:, None]).sum(-1).transpose(1, 2)  # (B, T, S)
+    scores = torch.einsum("bstj,btj->bts", dots, w.float())  # the heads' weighted sum as a product
     if not _every_key_seen(T, S, q_start, k_start):  # a one-token step sees every cached key: no mask
         scores = scores.masked_fill_(_positions(T, S, q_start, k_start, q_idx.device) < 0, NEG_INF)  # future keys
     return _top_n(scores, min(n, S), narrow=True)

@@ -142,6 +142,27 @@ def test_the_cache_is_written_in_place():
     assert sizes <= {2 * 100, 2 * (W + 1)}, sizes
 
 
+def test_an_indexer_step_computes_its_rope_tables_once(monkeypatch):
+    """The indexer asks for its RoPE tables (its queries', its keys', in each layer) at one
+    position per step: they are computed once (attention.rope_tables keeps them), beside
+    the model's own, not four times; decoding still equals recomputation."""
+    import attention
+
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**dict(SIZES, n_layer=2), attn="indexer", kernel="fused")).eval()
+    idx = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(4))
+    calls = []
+    rope_cos_sin = attention.rope_cos_sin
+    monkeypatch.setattr(attention, "rope_cos_sin", lambda *a: calls.append(a[1]) or rope_cos_sin(*a))
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(idx[:, :50], cache=cache)
+        calls.clear()
+        model(idx[:, 50:51], cache=cache)
+    assert calls.count(SIZES["index_head_dim"] // 2) <= 1, calls  # 4 without rope_tables
+    assert decodes_as_recomputed(model, idx, 50)
+
+
 def decodes_as_recomputed(model, idx, prefill):
     """Logits of a prefill then one-token steps equal the uncached forward's."""
     with torch.no_grad():
