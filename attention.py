@@ -202,18 +202,18 @@ def rope_cos_sin(pos, head_dim, theta):
 
 def rope_tables(start, T, head_dim, theta, device):
     """rope_cos_sin of the positions start .. start + T - 1, the last few answers kept for a
-    call with the same arguments (outside a compiled graph, which computes them in place): a
-    decoding step asks the indexer's (`LightningIndexer.rope`) for one position four times,
-    for its queries and its keys in each layer, each a dozen small ops."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # (inference tensors: no autograd later)
-        return rope_cos_sin(torch.arange(start, start + T, device=device), head_dim, theta)
-    return _kept_rope_tables(start, T, head_dim, theta, torch.device(device))
+    call with the same arguments (outside a compiled graph, which computes them in place, and
+    outside inference mode, whose tensors autograd could not use later): a decoding step asks
+    the indexer's (`LightningIndexer.rope`) for one position four times, for its queries and
+    its keys in each layer, each a dozen small ops."""
+    keep = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
+    tables = _kept_rope_tables if keep else _kept_rope_tables.__wrapped__
+    return tables(start, T, head_dim, theta, torch.device(device))
 
 
 @functools.lru_cache(maxsize=4)
 def _kept_rope_tables(start, T, head_dim, theta, device):
-    with torch.no_grad():  # positions carry no gradient; the tables are read, never written
-        return rope_cos_sin(torch.arange(start, start + T, device=device), head_dim, theta)
+    return rope_cos_sin(torch.arange(start, start + T, device=device), head_dim, theta)
 
 
 def apply_rope(x_BHTD, cos, sin):

@@ -457,11 +457,11 @@ def compiled_decoding(name, capacity, steps=96, prefill=100):
 def test_a_compiled_decoding_step_equals_eager_and_keeps_its_graphs(name):
     """model.compile_decoding over 96 steps (windows completing, blocks starting: 3 of
     combiner's blocks, 6 of moba's, 12 of nsa's) after a prompt of 100 (every summary count
-    past 1, a size dynamo specialises) with a cache of fixed capacity: the logits equal the eager step's, and the step makes at most two graphs
-    (a summary window completing in the step, or not), not one per cache length: the
-    step's arithmetic on the length has no Python branch or min on it
-    (kernels.padded_block_scores; with sliding_block_scores, nsa's step made 7 graphs in 60
-    steps at qwen-134m's sizes)."""
+    past 1, a size dynamo specialises) with a cache of fixed capacity: the logits equal the
+    eager step's, and the step makes at most two graphs (a summary window completing in the
+    step, or not), not one per cache length: the step's arithmetic on the length has no
+    Python branch or min on it (kernels.padded_block_scores; with sliding_block_scores, nsa's
+    step made 7 graphs in 60 steps at qwen-134m's sizes)."""
     graphs, worst, how = compiled_decoding(name, capacity=400)
     assert how.startswith("compiled")
     assert worst < 1e-5
