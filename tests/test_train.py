@@ -265,7 +265,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(shards, tmp_pa
 
 @requires_corpus
 def test_every_variant_learns_on_real_text(tmp_path):
-    """~100 steps on a FineWeb slice lower the val loss well below its start (ln 50304 = 10.8)."""
+    """40 steps on a FineWeb slice lower the val loss well below its start (ln 50304 = 10.8).
+    (The end-of-run evaluation is off, --eval_seqs=0: test_the_run_ends_with_loss_by_position_and_bits_per_byte
+    checks it; at 100 steps val was ~8.5, at 40 it is ~8.63 for each variant.)"""
     def docs(name, n):
         with open(CORPUS / name) as f:
             return [json.loads(next(f))["text"] for _ in range(n)]
@@ -275,7 +277,7 @@ def test_every_variant_learns_on_real_text(tmp_path):
     # 2 x 64-token sequences a step; window 16 and an adaptive-window threshold of 32 so the
     # windowed paths of local / dsa actually run at this length.
     args = ["--model=tiny", "--seq_len=64", "--batch_size=2", "--total_batch_tokens=128", "--val_tokens=2048",
-            "--max_steps=100", "--eval_every=100", "--warmup_steps=10", "--lr=1e-2", "--window=16",
+            "--max_steps=40", "--eval_every=40", "--eval_seqs=0", "--warmup_steps=10", "--lr=1e-2", "--window=16",
             "--dsa_threshold=32", f"--data_dir={shards}"]
     variants = ["full", "local", "dsa", "asga", "caa"]
     procs = {v: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--attn={v}", f"--out_dir={tmp_path / v}"],
@@ -285,7 +287,7 @@ def test_every_variant_learns_on_real_text(tmp_path):
         assert p.wait(timeout=300) == 0, (v, p.stderr.read()[-2000:])
     for v in variants:
         vals = {r["step"]: r["val"] for r in read_log(tmp_path / v) if "val" in r}
-        assert vals[0] > 10.5 and vals[100] < vals[0] - 1.5, (v, vals)  # ~8.5 measured
+        assert vals[0] > 10.5 and vals[40] < vals[0] - 1.5, (v, vals)  # ~8.63 measured
         gates = [r["gates"] for r in read_log(tmp_path / v) if "gates" in r]
         assert len(gates) == 2 and (v in ("full", "local")) == (gates[-1] == {}), (v, gates[-1])
     head_gate = gates_of(tmp_path / "dsa")["head_gate"]
