@@ -258,12 +258,15 @@ def test_gpu_check_profile_times_the_compiled_core(monkeypatch):
     selecting variant's forward and backward, and the compiled step runs (FlexAttention's CPU
     guard against a backward lifted: its eager reference computes one, except for the
     gradients of captured tensors, so asga and caa are not here). A compile that fails
-    leaves the row eager, and the row says why."""
+    leaves the row eager, and the row says why. local and combiner, whose cores are their
+    FlexAttention calls (and combiner's merge by log-sum-exp), are left out: tests/test_lowering.py
+    traces those calls' forward and backward through AOTAutograd, and
+    tests/test_kernels.py::test_flex_training_step_traces_as_one_graph their training forward."""
     import torch.nn.attention.flex_attention as nn_fa
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
     monkeypatch.setattr(nn_fa, "_validate_device", lambda *args, **kwargs: None)
-    names = ["nsa", "moba", "indexer", "combiner", "local"]  # in gpu_check.PROFILE_ORDER
+    names = ["nsa", "moba", "indexer"]  # in gpu_check.PROFILE_ORDER
     monkeypatch.setattr(gpu_check, "PROFILE_CONFIGS", [c for c in gpu_check.PROFILE_CONFIGS if c[0] in names])
     shape = dict(gpu_check.PROFILE_TINY, kernel="flex", lengths=(64,))
 
