@@ -124,14 +124,29 @@ def pretrained_state(folder):
     return {name: t for name, t in model.state_dict().items()}
 
 
-def test_new_parameters_warm_up_alone_then_all_train_and_resume_is_exact(pretrained, tmp_path):
+# dsa converted from the folder, 4 steps of which the first 2 train the new parameters alone;
+# batch 2 (accumulation 2 on one process), so that 2 processes split the 64-token step too
+STAGES = ["--attn=dsa", "--max_steps=4", "--warmup_new_steps=2", "--batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(pretrained, tmp_path_factory):
+    """One process's run of STAGES that never stopped: the resumed run's and the torchrun
+    run's reference (one train.py run for both tests)."""
+    folder, shards, _ = pretrained
+    out = tmp_path_factory.mktemp("straight")
+    train(f"--init_from={folder}", *STAGES, f"--data_dir={shards}", f"--out_dir={out}")
+    return out
+
+
+def test_new_parameters_warm_up_alone_then_all_train_and_resume_is_exact(pretrained, straight, tmp_path):
     """--warmup_new_steps=2: after step 2 every pretrained weight is bit for bit the folder's and
     the new ones have moved; after step 4 all have moved; a run stopped in the warm-up and
     resumed across the switch ends with the weights of a run that never stopped. The loss and
     tail loss at step 0 are the converted model's, computed here from the folder's weights."""
     folder, shards, _ = pretrained
-    flags = [f"--init_from={folder}", "--attn=dsa", f"--data_dir={shards}", "--max_steps=4", "--warmup_new_steps=2"]
-    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    flags = [f"--init_from={folder}", *STAGES, f"--data_dir={shards}"]
+    cut = tmp_path / "cut"
     train(*flags, f"--out_dir={cut}", "--stop_step=1")
     train(*flags, f"--out_dir={cut}", "--stop_step=2", "--resume=True")
     loaded = pretrained_state(folder)
@@ -144,7 +159,6 @@ def test_new_parameters_warm_up_alone_then_all_train_and_resume_is_exact(pretrai
     # the optimizer holds state for the parameters that stepped, and only for them
     assert sum(len(s) > 0 for s in ckpt["optimizer"]["state"].values()) == len(gates)
     train(*flags, f"--out_dir={cut}", "--resume=True")
-    train(*flags, f"--out_dir={straight}")
     final = M.read_checkpoint(straight)["model"]
     assert all(not torch.equal(final[name], t) for name, t in loaded.items())
     end = [r for r in log_of(straight) if r.get("event") == "end"][0]
@@ -161,14 +175,13 @@ def test_new_parameters_warm_up_alone_then_all_train_and_resume_is_exact(pretrai
     assert first["val_tail"] == pytest.approx(losses[:, 12:].mean().item(), rel=1e-5)
 
 
-def test_the_stages_under_torchrun_match_one_process(pretrained, tmp_path):
+def test_the_stages_under_torchrun_match_one_process(pretrained, straight, tmp_path):
     """Two processes (gloo): DDP is rebuilt at the switch for the parameters that then need
-    gradients; the ranks end equal (train.py checks) and with one process's weights."""
+    gradients; the ranks end equal (train.py checks) and with one process's weights (the
+    `straight` run's: the same flags on one process)."""
     folder, shards, _ = pretrained
-    flags = [*RUN, f"--init_from={folder}", "--attn=dsa", f"--data_dir={shards}", "--max_steps=3",
-             "--warmup_new_steps=1", "--batch_size=2"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    train("--batch_size=2", *flags[len(RUN):], f"--out_dir={one}")
+    flags = [*RUN, f"--init_from={folder}", *STAGES, f"--data_dir={shards}"]
+    one, two = straight, tmp_path / "two"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(ROOT / "train.py"), *flags, f"--out_dir={two}"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)
