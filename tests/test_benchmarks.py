@@ -157,35 +157,41 @@ def test_gpu_check_profile_dry_run(tmp_path):
     assert "skipped" in (tmp_path / "none.md").read_text()
 
 
-def test_gpu_check_row_s_sets_what_a_training_row_needs_left(tmp_path):
-    """--profile's training rows start only with --row_s seconds of the budget left: at 200 of a
-    100 s budget the row is skipped and says it needs ~200 s; at 1 it runs."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rows = {}
-    for row_s in (200, 1):
-        out = tmp_path / f"r{row_s}.json"
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--budget_s=100",
-                            f"--row_s={row_s}", "--skip=attention", "--only=full", f"--out={out}"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600, env=env)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        rows[row_s], = json.loads(out.read_text())["training"]
-    assert rows[200]["error"].startswith("skipped") and "needs ~200" in rows[200]["error"], rows[200]
-    assert rows[1]["tok_s"] > 0, rows[1]
-
-
-
-def test_gpu_check_train_T_keeps_the_tokens_of_a_step(tmp_path):
-    """--train_T sets the training rows' sequence length (the long-context throughput rows) and
-    shrinks the batch so a step keeps its tokens: the tiny shape's 4 x 64 becomes 8 x 32, and
-    the table says which."""
-    out = tmp_path / "t.json"
+def gpu_check_training_row(folder, *flags):
+    """benchmarks/gpu_check.py --dry_run of full's training row alone, with `flags` ->
+    (that row, the Markdown table)."""
+    out = folder / "row.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--skip=attention",
-                        "--only=full", "--train_T=32", f"--out={out}"], cwd=tmp_path, capture_output=True, text=True,
+                        "--only=full", *flags, f"--out={out}"], cwd=folder, capture_output=True, text=True,
                        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     row, = json.loads(out.read_text())["training"]
+    return row, out.with_suffix(".md").read_text()
+
+
+@pytest.fixture(scope="module")
+def short_row(tmp_path_factory):
+    """One run for the two tests below (each gpu_check.py process pays its start-up): full's
+    training row at --train_T=32, in a 100 s budget of which it needs --row_s=1."""
+    return gpu_check_training_row(tmp_path_factory.mktemp("row"), "--budget_s=100", "--row_s=1", "--train_T=32")
+
+
+def test_gpu_check_row_s_sets_what_a_training_row_needs_left(tmp_path, short_row):
+    """--profile's training rows start only with --row_s seconds of the budget left: at 200 of a
+    100 s budget the row is skipped and says it needs ~200 s; at 1 it runs."""
+    skipped, _ = gpu_check_training_row(tmp_path, "--budget_s=100", "--row_s=200")
+    assert skipped["error"].startswith("skipped") and "needs ~200" in skipped["error"], skipped
+    row, _ = short_row
+    assert row["tok_s"] > 0, row
+
+
+def test_gpu_check_train_T_keeps_the_tokens_of_a_step(short_row):
+    """--train_T sets the training rows' sequence length (the long-context throughput rows) and
+    shrinks the batch so a step keeps its tokens: the tiny shape's 4 x 64 becomes 8 x 32, and
+    the table says which."""
+    row, md = short_row
     assert (row["T"], row["batch"]) == (32, 8) and row["tok_s"] > 0, row
-    assert "| full | 32 x 8 |" in out.with_suffix(".md").read_text()
+    assert "| full | 32 x 8 |" in md
 
 
 def test_gpu_check_stacks_every_prints_where_a_step_is(tmp_path):
