@@ -17,8 +17,8 @@ that what a step reads is the layers and their caches. One thread by default (--
 What is printed, per variant and T:
 - prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
   compiles the GPU path for that shape), and that over `full`'s.
-- decode: the median ms of --steps one-token steps, its spread (min - max over the steps)
-  and that over `full`'s median, at batch 1 and at --batch. `full`'s steps for that ratio are
+- decode: the median ms of --steps one-token steps (after one untimed step, `measure`), its
+  spread (min - max over the steps) and that over `full`'s median, at batch 1 and at --batch. `full`'s steps for that ratio are
   taken in turns with the row's own (--rounds rounds, `full` held prefilled beside each row):
   the machine's speed drifts by 30% between rows here, and the ratio is what the table is for.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
@@ -173,7 +173,11 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     model = build(attn, args.layers, args.vocab, args.device)
     idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
     step, how = compile_decoding(model) if args.compile else (model, "eager")
-    warm = warm_steps(model) if args.compile else 0
+    # untimed steps before the timed ones, at each batch: compiled, those that take the step's
+    # graphs; eager, one, in which a compiled helper (kernels.GatheredDots, GateTile) compiles
+    # at its first call (seconds, once a process: a row's spread showed it, or not, by which
+    # variants had run before it)
+    warm = warm_steps(model) if args.compile else 1
     # compiled: buffers that hold every step without growing (a growth is a graph of its own)
     capacity = T + 2 * (warm + args.steps) + 2 if args.compile else 0
     with torch.no_grad(), autocast:

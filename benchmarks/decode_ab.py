@@ -17,9 +17,11 @@ prefills too, N rounds in turns, the checkouts' order reversed every other round
 the median of each checkout's N: one prefill a side falls wherever the machine's drift puts
 it (30% here), as decoding steps do.
 
---compile: each checkout's steps through its own `model.compile_decoding`, its cache made with
-a fixed capacity and untimed warm-up steps at each batch first (decode.py's `warm_steps`), as
-decode.py --compile measures them; a checkout without compile_decoding is refused by name.
+Each checkout takes one untimed step at each batch first (its kernels.GatheredDots compiles at
+its first call), as decode.py does. --compile: each checkout's steps through its own
+`model.compile_decoding`, its cache made with a fixed capacity and untimed warm-up steps at
+each batch first (decode.py's `warm_steps`), as decode.py --compile measures them; a checkout
+without compile_decoding is refused by name.
 """
 import argparse
 import os
@@ -84,7 +86,7 @@ def run(models, attn, T, steps, batch, rounds=1, compile=False, prefills=1):
             print(f"  T={T} {attn} {label}: prefill {seconds:.2f} s", flush=True)
     held, prefilled = {}, {label: statistics.median(t) for label, t in times.items()}
     for label, m in models.items():
-        (model, cache), warm, how = built[label], 0, "eager"
+        (model, cache), warm, how = built[label], 1, "eager"  # one untimed step: a compiled helper compiles in it
         if compile:
             (model, how), warm = m.compile_decoding(model), warm_steps(model)
         held[label] = (model, cache, warm)

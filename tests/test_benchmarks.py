@@ -363,6 +363,30 @@ def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
     assert "decode_ms" in rows["nsa"] and "decode_ms" in rows["full"]
 
 
+def test_decode_benchmark_times_its_eager_steps_after_an_untimed_one(tmp_path, monkeypatch):
+    """An eager row takes one untimed step at each batch before its timed steps (a compiled
+    helper, kernels.GatheredDots, compiles in its first call: a row's spread showed that, or
+    not, by which variants ran before it), and the row keeps only the timed ones."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode
+    calls, real = [], decode.decode_steps
+
+    def decode_steps(step, cache, batch, steps, device, start_token=0):
+        calls.append((batch, steps))
+        return real(step, cache, batch, steps, device, start_token)
+
+    monkeypatch.setattr(decode, "decode_steps", decode_steps)
+    out = tmp_path / "decode.json"
+    threads = torch.get_num_threads()
+    try:
+        decode.main(["--lengths=32", "--variants=nsa", "--steps=3", "--batch=2", "--layers=1", f"--out={out}"])
+    finally:
+        torch.set_num_threads(threads)  # decode.py sets one thread
+    row, = json.loads(out.read_text())["rows"]
+    assert calls == [(1, 1), (1, 3), (2, 1), (2, 3)], calls
+    assert len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 3
+
+
 def test_decode_ab_compiles_each_checkouts_steps(tmp_path):
     """decode_ab.py --compile: every checkout's steps through its own model.compile_decoding
     (said per row), timed after warm-up steps, in the same table."""
