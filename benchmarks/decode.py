@@ -18,9 +18,10 @@ What is printed, per variant and T:
 - prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
   compiles the GPU path for that shape), and that over `full`'s.
 - decode: the median ms of --steps one-token steps (after one untimed step, `measure`), its
-  spread (min - max over the steps) and that over `full`'s median, at batch 1 and at --batch. `full`'s steps for that ratio are
-  taken in turns with the row's own (--rounds rounds, `full` held prefilled beside each row):
-  the machine's speed drifts by 30% between rows here, and the ratio is what the table is for.
+  spread (min - max over the steps) and that over `full`'s median, at batch 1 and at
+  --batch. `full`'s steps for that ratio are taken in turns with the row's own (--rounds
+  rounds, `full` held prefilled beside each row): the machine's speed drifts by 30% between
+  rows here, and the ratio is what the table is for.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
   keys, values, summaries, and the inputs of the windows not yet summarised).
 - read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x

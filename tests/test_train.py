@@ -266,8 +266,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(shards, tmp_pa
 @requires_corpus
 def test_every_variant_learns_on_real_text(tmp_path):
     """40 steps on a FineWeb slice lower the val loss well below its start (ln 50304 = 10.8).
-    (The end-of-run evaluation is off, --eval_seqs=0: test_the_run_ends_with_loss_by_position_and_bits_per_byte
-    checks it; at 100 steps val was ~8.5, at 40 it is ~8.63 for each variant.)"""
+    (The end-of-run evaluation is off, --eval_seqs=0: it is checked by
+    test_the_run_ends_with_loss_by_position_and_bits_per_byte. At 100 steps val was ~8.5, at
+    40 it is ~8.63 for each variant.)"""
     def docs(name, n):
         with open(CORPUS / name) as f:
             return [json.loads(next(f))["text"] for _ in range(n)]
