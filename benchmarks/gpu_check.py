@@ -35,6 +35,7 @@ minute, float32 with kernel=fused (blockwise) and no compile: the suite runs it 
 (tests/test_benchmarks.py), so the command is known to work before it meets a GPU.
 """
 import argparse
+import atexit
 import gc
 import json
 import os
@@ -447,20 +448,28 @@ def markdown(result):
 
 
 def print_stacks_every(seconds):
-    """A daemon thread that prints the main thread's Python stack to stderr every `seconds`
-    (under the GIL, from sys._current_frames: faulthandler's watchdog crashed a run that was
-    importing)."""
-    main_id, t0 = threading.main_thread().ident, time.time()
+    """A thread that prints the main thread's Python stack to stderr every `seconds` (under
+    the GIL, from sys._current_frames: faulthandler's watchdog crashed a run that was
+    importing). Returns the function that stops it and waits for it: a daemon thread still
+    alive when the interpreter shuts down can abort the process ("terminate called without an
+    active exception"), after a run that had written everything."""
+    main_id, t0, stop = threading.main_thread().ident, time.time(), threading.Event()
 
     def watch():
-        while True:
-            time.sleep(seconds)
+        while not stop.wait(seconds):
             frame = sys._current_frames().get(main_id)
             if frame is not None:
                 print(f"--- gpu_check at {time.time() - t0:.0f} s, the main thread:\n"
                       + "".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
 
-    threading.Thread(target=watch, daemon=True).start()
+    thread = threading.Thread(target=watch, name="gpu_check stacks", daemon=True)
+    thread.start()
+
+    def stop_and_join():
+        stop.set()
+        thread.join()
+
+    return stop_and_join
 
 
 def main(argv=None):
@@ -486,7 +495,7 @@ def main(argv=None):
                         "loses only itself: rows are saved as they finish)")
     args = parser.parse_args(argv)
     if args.stacks_every:
-        print_stacks_every(args.stacks_every)
+        atexit.register(print_stacks_every(args.stacks_every))  # stopped before the interpreter shuts down
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         tf32_matmuls()  # as train.py runs

@@ -10,6 +10,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -203,6 +204,22 @@ def test_gpu_check_stacks_every_prints_where_a_step_is(tmp_path):
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "the main thread:" in r.stderr and "gpu_check.py" in r.stderr, r.stderr[-2000:]
+
+
+def test_gpu_check_stacks_thread_is_stopped_before_the_interpreter_exits(capsys):
+    """The stack printer is joined at exit (gpu_check registers its stop with atexit): a daemon
+    thread left alive while the interpreter shut down aborted a run that had written
+    everything (rc -6, "terminate called without an active exception")."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    stop = gpu_check.print_stacks_every(0.01)
+    time.sleep(0.1)
+    assert any(t.name == "gpu_check stacks" for t in threading.enumerate())
+    stop()
+    assert not any(t.name == "gpu_check stacks" for t in threading.enumerate())
+    assert "the main thread:" in capsys.readouterr().err
+
 
 def test_gpu_check_frees_a_failed_configuration_before_the_next(monkeypatch):
     """A training row that fails in its step (on an H100: the indexer out of memory) must not
