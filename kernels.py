@@ -1306,24 +1306,40 @@ def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
     return scores.masked_fill(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
 
 
+# _index_scores' keys per tile, by device: on a CPU a chunk's dots with every key, (chunk J, S)
+# (16 MB at 64 queries, S = 16384), streamed through memory in each of their passes (the
+# scale, the ReLU, J weighted adds); a tile's, (chunk J, 2048), stay in cache between them.
+# On a GPU one product over every key (each tile would be a launch of each op).
+INDEX_KEY_TILE = dict(cpu=1 << 11, cuda=1 << 30)
+
+
 @torch.no_grad()
 def _index_scores(q_idx, k_idx, w, q_start, k_start):
     """_lightning_scores without gradient (the selection's): every indexer head's dots in one
     product ((T J, d) rows against the keys: one larger matmul runs faster than J of T rows,
     0.86x side by side at T = 32 rows, S = 32768), scaled and ReLU'd in place, then summed
-    with the heads' weights into one (B, T, S) buffer: the weighted copies are never made,
-    each a pass through memory. Per element, the operations and their order are those of one
-    head at a time (what this did before): the same scores in our checks, to the bit."""
+    with the heads' weights into the (B, T, S) scores: the weighted copies are never made,
+    each a pass through memory. The keys are taken a tile at a time (`INDEX_KEY_TILE`): the
+    scale, ReLU and sums then read each tile's dots from cache, 0.6x the time of the untiled
+    form on 64 queries x 16384 keys. Per element, the operations and their order are those
+    of one head at a time (what this did before): the same scores in our checks, to the bit."""
     B, T, J, d = q_idx.shape
     S = k_idx.shape[1]
-    dots = torch.bmm(q_idx.float().reshape(B, T * J, d), k_idx.float().transpose(1, 2))  # (B, T J, S)
-    dots = dots.div_(math.sqrt(d)).relu_().view(B, T, J, S)
-    w = w.float()
-    scores = dots[:, :, 0] * w[:, :, 0, None]
-    for j in range(1, J):
-        scores.addcmul_(dots[:, :, j], w[:, :, j, None])
-    q_pos = q_start + torch.arange(T, device=q_idx.device)[:, None]
-    return scores.masked_fill_(k_start + torch.arange(S, device=q_idx.device) > q_pos, NEG_INF)  # future keys
+    q_rows, k, w = q_idx.float().reshape(B, T * J, d), k_idx.float(), w.float()
+    scores = q_rows.new_empty(B, T, S)
+    tile = INDEX_KEY_TILE.get(q_idx.device.type, INDEX_KEY_TILE["cpu"])
+    for s0 in range(0, S, tile):
+        s1 = min(S, s0 + tile)
+        dots = torch.bmm(q_rows, k[:, s0:s1].transpose(1, 2)).div_(math.sqrt(d)).relu_().view(B, T, J, s1 - s0)
+        out = scores[..., s0:s1]
+        torch.mul(dots[:, :, 0], w[:, :, 0, None], out=out)
+        for j in range(1, J):
+            out.addcmul_(dots[:, :, j], w[:, :, j, None])
+    first = max(0, q_start + 1 - k_start)  # the keys before it every query of the call sees
+    if first < S:
+        q_pos = q_start + torch.arange(T, device=q_idx.device)[:, None]
+        scores[..., first:].masked_fill_(k_start + torch.arange(first, S, device=q_idx.device) > q_pos, NEG_INF)
+    return scores
 
 
 # _top_n(narrow=True) on a CPU narrows rows of at least TOP_N_NARROWED x n scores first, in

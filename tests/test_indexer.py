@@ -168,6 +168,24 @@ def test_scores_of_the_last_queries_only():
         assert torch.equal(last, attention.lightning_scores(q_idx, k_idx, w, 0, 0)[:, 9:])
 
 
+@pytest.mark.parametrize("tile", [3, 1 << 11])
+def test_scores_in_key_tiles_equal_the_definition(tile, monkeypatch):
+    """kernels._index_scores (the CPU selection's scores: the keys a tile at a time, the future
+    keys masked from the call's first query on) equals lightning_scores: the finite scores to
+    float32's rounding, -inf at the same (query, key) pairs, for queries after a prefix and
+    keys that start after position 0; tiles of 3 keys end in a partial one."""
+    monkeypatch.setattr(kernels, "INDEX_KEY_TILE", {"cpu": tile, "cuda": tile})
+    module = make()
+    x = inputs(module, 23, B=2)[3]
+    with torch.no_grad():
+        q_idx, k_idx, w = module.indexer(x, 0)
+        for q_start, k_start in ((0, 0), (9, 0), (9, 4)):
+            args = q_idx[:, q_start:], k_idx[:, k_start:], w[:, q_start:], q_start, k_start
+            want, got = attention.lightning_scores(*args), kernels._index_scores(*args)
+            assert torch.equal(got.isinf(), want.isinf()), (q_start, k_start)
+            assert rel(got[want.isfinite()], want[want.isfinite()]) < 1e-6, (q_start, k_start)
+
+
 @pytest.mark.parametrize("topk", [1, 4, 20])
 def test_selection_and_attention_equal_the_loops(topk, monkeypatch):
     """The selection equals a brute-force sort (ties to the most recent key) and the output the
@@ -177,6 +195,7 @@ def test_selection_and_attention_equal_the_loops(topk, monkeypatch):
     module = make(index_topk=topk, index_heads=1)
     q, k, v, x = inputs(module, 17, B=2)
     monkeypatch.setattr(kernels, "INDEX_SCORES", 2 * 17 * 5)  # 5 queries a chunk
+    monkeypatch.setattr(kernels, "INDEX_KEY_TILE", {"cpu": 4, "cuda": 4})  # their scores 4 keys a tile
     with torch.no_grad():
         scores = index_scores(module, x)
         assert (scores == 0).float().mean() > 0.2  # ties are frequent
