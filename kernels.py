@@ -1320,8 +1320,8 @@ def _index_scores(q_idx, k_idx, w, q_start, k_start):
     0.86x side by side at T = 32 rows, S = 32768), scaled and ReLU'd in place, then summed
     with the heads' weights into the (B, T, S) scores: the weighted copies are never made,
     each a pass through memory. The keys are taken a tile at a time (`INDEX_KEY_TILE`): the
-    scale, ReLU and sums then read each tile's dots from cache, 0.6x the time of the untiled
-    form on 64 queries x 16384 keys. Per element, the operations and their order are those
+    scale, ReLU and sums then read each tile's dots from cache, 0.5-0.6x the time of the
+    untiled form on 64 queries x 16384 keys. Per element, the operations and their order are those
     of one head at a time (what this did before): the same scores in our checks, to the bit."""
     B, T, J, d = q_idx.shape
     S = k_idx.shape[1]
