@@ -1320,16 +1320,14 @@ def _index_scores(q_idx, k_idx, w, q_start, k_start):
     0.86x side by side at T = 32 rows, S = 32768), scaled and ReLU'd in place, then summed
     with the heads' weights into the (B, T, S) scores: the weighted copies are never made,
     each a pass through memory. The keys are taken a tile at a time (`INDEX_KEY_TILE`): the
-    scale, ReLU and sums then read each tile's dots from cache, 0.5-0.6x the time of the
-    untiled form on 64 queries x 16384 keys. Per element, the operations and their order are those
-    of one head at a time (what this did before): the same scores in our checks, to the bit."""
+    scale, ReLU and sums then read each tile's dots from cache, 0.47-0.58x the time of the
+    untiled form on 64 queries x 16384 keys. Per element, the operations and their order are
+    those of one head at a time: the same scores in our checks, to the bit."""
     B, T, J, d = q_idx.shape
     S = k_idx.shape[1]
     q_rows, k, w = q_idx.float().reshape(B, T * J, d), k_idx.float(), w.float()
     scores = q_rows.new_empty(B, T, S)
-    tile = INDEX_KEY_TILE.get(q_idx.device.type, INDEX_KEY_TILE["cpu"])
-    for s0 in range(0, S, tile):
-        s1 = min(S, s0 + tile)
+    for s0, s1 in query_chunks(S, 1, INDEX_KEY_TILE, q_idx.device):  # the keys in tiles
         dots = torch.bmm(q_rows, k[:, s0:s1].transpose(1, 2)).div_(math.sqrt(d)).relu_().view(B, T, J, s1 - s0)
         out = scores[..., s0:s1]
         torch.mul(dots[:, :, 0], w[:, :, 0, None], out=out)
