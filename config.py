@@ -496,6 +496,12 @@ def init_process_group(backend, rank, world):
     rank could read the address of the dead rank it replaces: gloo then failed with
     "Connection refused" or hung while connecting (3 of 3 restart tests run side by side
     failed without this prefix, 6 of 6 passed with it)."""
+    # torch.distributed.nn's functions take `group=group.WORLD` as a default argument, and DDP
+    # imports that module on its first use: imported after the group exists, ten defaults hold
+    # the group, so destroy_process_group cannot free it and gloo's threads ran on into the
+    # interpreter's shutdown, where one touching Python aborted a finished run ("terminate
+    # called without an active exception", rc -6). Imported before, the defaults are None.
+    import torch.distributed.nn  # noqa: F401
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0":
         dist.init_process_group(backend=backend)

@@ -188,9 +188,8 @@ def main(argv=None):
         dist.all_gather_object(hashes, param_hash(raw_model))
     runlog.write({"event": "end", "step": step, "param_sha256_per_rank": hashes, "steps_to_target": target_step})
     if ddp:
-        # DDP's reducer holds gloo work objects; freed only by the garbage collector at
-        # interpreter exit, they aborted the process there ("terminate called without an
-        # active exception", seen in torchrun tests). Free them now, then close the group.
+        # Close the group now, its gloo threads joined, not at the interpreter's shutdown (where
+        # they aborted finished runs: config.init_process_group). DDP's reducer holds it too.
         del model, eval_model
         gc.collect()
         dist.destroy_process_group()
