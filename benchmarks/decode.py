@@ -26,9 +26,9 @@ What is printed, per variant and T:
   keys, values, summaries, and the inputs of the windows not yet summarised).
 - read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x
   bound: the batch-1 step over the time to read once the model's weights and every layer's
-  definition reads, at the read bandwidth measured right after that row's steps (a sum over
-  a tensor of that size, at least 256 MB: the machine's bandwidth moves between runs, by 30%
-  here).
+  definition reads, at the read bandwidth measured right after that row's steps (the faster
+  of a sum and a matrix-vector product over a tensor of that size, at least 256 MB,
+  `read_bandwidth`: the machine's bandwidth moves between runs, by 30% here).
   Above the table, what no variant's step avoids: the weights' products alone, one token
   at batch 1 and at --batch (`weight_products`), and the first over the time to read the
   weights once.
@@ -61,7 +61,7 @@ from model import PRESETS, Model, ModelConfig, compile_decoding  # noqa: E402
 
 ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
 MB = 1e6
-BANDWIDTH_BYTES = 1 << 28  # the read bandwidth's sum reads at least this much: past any CPU's caches
+BANDWIDTH_BYTES = 1 << 28  # read_bandwidth reads at least this much: past any CPU's caches
 
 
 def build(attn, layers, vocab, device, seed=0):
@@ -99,14 +99,22 @@ def definition_reads(module, S, elem):
 
 
 def read_bandwidth(nbytes, device, repeats=5):
-    """Bytes per second of a sum over a float32 tensor of nbytes (median of `repeats`)."""
-    x = torch.ones(max(1, int(nbytes) // 4), device=device)
-    times = []
-    for _ in range(repeats):
-        t0 = clock(device)
-        x.sum()
-        times.append(clock(device) - t0)
-    return x.numel() * 4 / statistics.median(times)
+    """Bytes per second of the faster of two reads of a float32 tensor of nbytes (median of
+    `repeats` each): a sum over it, and a matrix-vector product over it as rows of 1024, the
+    kind of read a step makes of its weights and keys. On one host the sum read 10.8 GB/s and
+    the product 19.0; with the sum alone `full`'s step read 0.61x its bound
+    (benchmarks/decode_cpu.md)."""
+    x = torch.ones(max(1024, int(nbytes) // 4 // 1024 * 1024), device=device)
+    rows, vector = x.view(-1, 1024), torch.ones(1024, device=device)
+    best = 0.0
+    for read in (x.sum, lambda: rows @ vector):
+        times = []
+        for _ in range(repeats):
+            t0 = clock(device)
+            read()
+            times.append(clock(device) - t0)
+        best = max(best, x.numel() * 4 / statistics.median(times))
+    return best
 
 
 def weight_products(layers, vocab, device, batch, repeats=5):
@@ -335,7 +343,7 @@ def main(argv=None):
     measured = [r for r in rows.values() if "prefill_s" in r and r["T"] in args.lengths]
     largest = max((r["weight_bytes"] + args.layers * r["reads_per_layer"] for r in measured), default=1 << 26)
     bandwidth = read_bandwidth(largest, args.device)
-    print(f"\nread bandwidth now: {bandwidth / 1e9:.1f} GB/s (a sum over {largest / MB:.0f} MB, {args.threads} thread(s)); "
+    print(f"\nread bandwidth now: {bandwidth / 1e9:.1f} GB/s (the faster of a sum and a matrix-vector product over {largest / MB:.0f} MB, {args.threads} thread(s)); "
           f"each row's own, measured after its steps: " + ", ".join(
               f"{r['read_bandwidth'] / 1e9:.1f}" for r in measured if "read_bandwidth" in r) + " GB/s")
     weights = next((r["weight_bytes"] for r in measured), None)
