@@ -264,14 +264,17 @@ def test_torchrun_with_only_a_data_folder_trains_and_checkpoints(shards, tmp_pat
 
 def threads_at_exit_printed(folder):
     """The environment for a subprocess that prints, when its interpreter begins to exit, the
-    names of its native threads (a sitecustomize.py on PYTHONPATH)."""
+    names of its native threads (a sitecustomize.py on PYTHONPATH; Linux's /proc names them,
+    elsewhere it prints that it cannot)."""
     (folder / "sitecustomize.py").write_text(
         "import atexit, os, sys\n"
         "def _threads():\n"
+        "    if not os.path.isdir('/proc/self/task'):\n"
+        "        return sys.stderr.write('threads at exit: not listed (no /proc)\\n')\n"
         "    names = sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task'))\n"
         "    sys.stderr.write(f'threads at exit: {names}\\n')\n"
         "atexit.register(_threads)\n")
-    return {**ENV, "PYTHONPATH": os.pathsep.join([str(folder), ENV.get("PYTHONPATH", "")])}
+    return {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), ENV.get("PYTHONPATH")]))}
 
 
 def test_an_error_under_torchrun_is_printed_once(shards, tmp_path):
