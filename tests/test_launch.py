@@ -256,7 +256,7 @@ def test_torchrun_with_only_a_data_folder_trains_and_checkpoints(shards, tmp_pat
     assert end["event"] == "end" and len(set(end["param_sha256_per_rank"])) == 1
     assert len(end["param_sha256_per_rank"]) == nproc
     # No gloo thread may outlive train.py into the interpreter's shutdown: one that touched
-    # Python there aborted finished runs (rc -6), about one CI run in four.
+    # Python there aborted finished runs (rc -6), rarely, in CI.
     at_exit = re.findall(r"threads at exit: (.*)", r.stderr)
     assert len(at_exit) == nproc + 1, r.stderr[-3000:]  # the workers and torchrun's agent
     assert not any("gloo" in line for line in at_exit), at_exit
