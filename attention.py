@@ -1638,6 +1638,7 @@ class IndexerAttention(CausalSelfAttention):
         return 1, 1  # one indexer key per position
 
     keys_last_kv = (False, False)  # its listed keys are gathered from the cache as rows
+    keys_last_summaries = True  # a decoding step's q^I K^I^T streams down the positions (decode_indexer_topk)
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         if self.dense_warmup:

@@ -2490,15 +2490,22 @@ def decode_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bl
 @torch.no_grad()
 def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     """attention.indexer_topk: the lightning scores of every cached indexer key (eq. 1 reads
-    them all), then a top-n selection (`_top_n`). The product runs key-major, the cached keys
-    (B, S, d) times the few (T J) query rows: the keys stream through once as a matmul's long
-    side, where as its short side (q k^T) the product took 1.8x as long from memory (S =
-    8192, J = 4 rows of 64; 0.87x the step at S = 32768, docs/performance.md)."""
+    them all), then a top-n selection (`_top_n`). The product reads the cached keys (B, S, d)
+    once, whichever way they lie: stored along the keys (a CPU's cache,
+    `keys_last_summaries`), the step's few (T J) query rows times K^T, whose rows of S are
+    then contiguous (S = 32768, 4 rows of 64: 0.45 ms, a plain sum's bandwidth, where the
+    key-major product over rows of 64 took 2.2); stored as rows, key-major, the keys the
+    long side of the product (as its short side, q k^T, it took 1.8x as long from memory at
+    S = 8192)."""
     B, T, J, d = q_idx.shape
     S = k_idx.shape[1]
-    dots = torch.bmm(k_idx.float(), q_idx.float().reshape(B, T * J, d).transpose(1, 2))  # (B, S, T J)
-    dots = dots.div_(math.sqrt(d)).relu_().view(B, S, T, J)
-    scores = torch.einsum("bstj,btj->bts", dots, w.float())  # the heads' weighted sum as a product
+    k, q_rows = k_idx.float(), q_idx.float().reshape(B, T * J, d)
+    if k.stride(1) == 1:  # positions the fastest-moving dim
+        dots = torch.bmm(q_rows, k.transpose(1, 2)).div_(math.sqrt(d)).relu_().view(B, T, J, S)
+        scores = torch.einsum("btjs,btj->bts", dots, w.float())
+    else:
+        dots = torch.bmm(k, q_rows.transpose(1, 2)).div_(math.sqrt(d)).relu_().view(B, S, T, J)  # (B, S, T, J)
+        scores = torch.einsum("bstj,btj->bts", dots, w.float())  # the heads' weighted sum as a product
     if not _every_key_seen(T, S, q_start, k_start):  # a one-token step sees every cached key: no mask
         scores = scores.masked_fill_(_positions(T, S, q_start, k_start, q_idx.device) < 0, NEG_INF)  # future keys
     return _top_n(scores, min(n, S), narrow=True)

@@ -255,6 +255,33 @@ def test_rows_keep_their_values_in_either_layout(keys_last):
     assert (rows.view().stride(-2) == 1) == keys_last and (rows.view().stride(-1) == 1) != keys_last
 
 
+@pytest.mark.parametrize("keys_last", [False, True])
+def test_the_indexers_step_selects_the_reference_keys_either_way_its_keys_lie(keys_last):
+    """kernels.decode_indexer_topk takes its product whichever way the indexer keys lie (along
+    the keys, a CPU cache's: the query rows times K^T; as rows: key-major) and selects what
+    attention.indexer_topk selects: a one-token step, a few rows with future keys, and a row
+    whose scores all tie (w = 0: the most recent keys). A CPU cache stores them along the keys."""
+    import attention
+    import kernels
+
+    g = torch.Generator().manual_seed(0)
+    B, S, J, d, n = 2, 300, 3, 8, 16
+    k_idx = (torch.randn(B, d, S + 5, generator=g)[..., :S].transpose(1, 2) if keys_last
+             else torch.randn(B, S, d, generator=g))
+    assert (k_idx.stride(1) == 1) == keys_last
+    for T in (1, 4):
+        q_idx, w = torch.randn(B, T, J, d, generator=g), torch.randn(B, T, J, generator=g)
+        w[1, 0] = 0.0  # every score of this row 0
+        got = kernels.decode_indexer_topk(q_idx, k_idx, w, S - T, 0, n)
+        assert torch.equal(got, attention.indexer_topk(q_idx, k_idx, w, S - T, 0, n))
+        assert sorted(got[1, 0].tolist()) == list(range(S - T + 1 - n, S - T + 1))
+    model = tiny("indexer")
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 40), generator=g), cache=cache)
+    assert cache[0].summaries[0].view().stride(1) == 1
+
+
 def gathered_ops(compiled):
     """kernels.DECODE's block, selected and top-k attention with decoding's gathered rows
     compiled or eager (kernels.GatheredDots)."""
