@@ -214,10 +214,11 @@ class Rows:
         return None if self.data is None else self.data[..., self.lo:self.hi, :]
 
     def drop_before(self, position):
-        """Forget the rows of positions < position (none are copied)."""
+        """Forget the rows of positions < position (none are copied); past the last row held,
+        the next row appended is then that position's."""
         drop = min(max(0, position - self.start), len(self))
         self.lo += drop
-        self.start += drop
+        self.start = max(self.start + drop, position)
 
     def repeat_batch(self, n):
         """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
@@ -230,6 +231,14 @@ class Rows:
     def nbytes(self):
         held = self.view()
         return 0 if held is None else held.numel() * held.element_size()
+
+
+def _positions(rows, now, new, first, last):
+    """Positions first .. last - 1 of the pending `rows` followed by `now` (positions new ..):
+    a view of `now` where they all lie in it (a prefill's), else the two joined."""
+    if first >= new:
+        return now[..., first - new:last - new, :]
+    return torch.cat([rows.view()[..., first - rows.start:, :], now], -2)[..., :last - first, :]
 
 
 class KVCache:
@@ -285,29 +294,34 @@ class KVCache:
 
     def summarise(self, layer, window, q, x):
         length, stride = window
+        new = self.end - q.shape[-2]  # q and x hold the positions new .. end - 1
         if self.pending is None:
-            self.pending = (Rows(capacity=self.capacity + 1), Rows(capacity=self.capacity + 1))
-            self.pending[0].start = self.pending[1].start = self.start
-        for rows, new in zip(self.pending, (q, x)):
-            rows.append(new)
+            # the queries and inputs of the positions past the last complete window only (fewer
+            # than a window's length), in buffers sized for them and the positions still to come:
+            # a prompt's whole would take more memory than its keys and values
+            spare = max(0, self.capacity - self.end) + length + 1 if self.capacity else 0
+            self.pending = (Rows(capacity=spare), Rows(capacity=spare))
+            self.pending[0].start = self.pending[1].start = new
         done = 0 if self.summaries is None else len(self.summaries[0])  # windows summarised
         complete = max(0, (self.end - length) // stride + 1)  # windows i with i stride + length <= end
         if complete > done or self.summaries is None:  # (none complete yet: empty summaries)
             first, last = done * stride, max(done * stride, (complete - 1) * stride + length)  # their positions
             k0 = first - self.k.start
-            q_w, x_w = (rows.view()[..., first - rows.start:last - rows.start, :] for rows in self.pending)
-            new = layer.summarise(q_w, self.k.view()[:, :, k0:k0 + last - first],
-                                  self.v.view()[:, :, k0:k0 + last - first], x_w, first)
-            new = new if isinstance(new, tuple) else (new,)
+            q_w, x_w = (_positions(rows, now, new, first, last) for rows, now in zip(self.pending, (q, x)))
+            new_summaries = layer.summarise(q_w, self.k.view()[:, :, k0:k0 + last - first],
+                                            self.v.view()[:, :, k0:k0 + last - first], x_w, first)
+            new_summaries = new_summaries if isinstance(new_summaries, tuple) else (new_summaries,)
             if self.summaries is None:
                 held = self.capacity // stride + 2 if self.capacity else 0  # windows in `capacity` positions, a spare
                 keys_last = layer.keys_last_summaries
-                keys_last = keys_last if isinstance(keys_last, tuple) else (keys_last,) * len(new)
+                keys_last = keys_last if isinstance(keys_last, tuple) else (keys_last,) * len(new_summaries)
                 self.summaries = tuple(Rows(keys_last=last, capacity=held) for last in keys_last)
-            for rows, s in zip(self.summaries, new):
+            for rows, s in zip(self.summaries, new_summaries):
                 rows.append(s)
-            for rows in self.pending:  # keep the inputs of the windows still incomplete
-                rows.drop_before(complete * stride)
+        keep = complete * stride  # the inputs of the windows still incomplete, from the first of them on
+        for rows, now in zip(self.pending, (q, x)):
+            rows.drop_before(keep)
+            rows.append(now[..., rows.end - new:, :])  # the new positions from max(keep, new) on
         views = tuple(rows.view() for rows in self.summaries)
         return views if len(views) > 1 else views[0]
 

@@ -185,6 +185,26 @@ def test_the_summaries_are_appended_as_windows_complete(name):
     assert len(cache[0].summaries[0]) == (150 - length) // stride + 1
 
 
+@pytest.mark.parametrize("capacity", [0, 700])
+@pytest.mark.parametrize("name", ["nsa", "moba", "combiner", "indexer"])
+def test_the_cache_keeps_only_the_incomplete_windows_inputs(name, capacity):
+    """A prefill and the steps after it leave the cache holding the queries and inputs of the
+    positions past the last complete summary window only (fewer than a window's length), in
+    buffers sized by a window and the positions still to come (`capacity`), not by the
+    prompt: a prefill copied the prompt's queries and inputs whole, into buffers of twice it."""
+    model = tiny(name)
+    length, stride = model.layers[0].self_attn.summary_window()
+    idx = torch.randint(0, 64, (1, 620), generator=torch.Generator().manual_seed(4))
+    cache = model.new_cache(capacity)
+    with torch.no_grad():
+        model(idx[:, :600], cache=cache)
+        for t in range(600, 620):
+            for rows in cache[0].pending:
+                assert rows.end == t and len(rows) < length
+                assert rows.data.shape[-2] <= (capacity - 600 + length + 1 if capacity else 2 * length)
+            model(idx[:, t:t + 1], cache=cache)
+
+
 @pytest.mark.parametrize("name", ["nsa", "moba", "combiner", "indexer"])
 def test_a_stale_summary_fails_the_decode_check(name, monkeypatch):
     """The summaries frozen after the prefill (the newer windows never summarised, as a cache
