@@ -233,7 +233,7 @@ class Rows:
         return 0 if held is None else held.numel() * held.element_size()
 
 
-def _positions(rows, now, new, first, last):
+def _pending_span(rows, now, new, first, last):
     """Positions first .. last - 1 of the pending `rows` followed by `now` (positions new ..):
     a view of `now` where they all lie in it (a prefill's), else the two joined."""
     if first >= new:
@@ -307,7 +307,7 @@ class KVCache:
         if complete > done or self.summaries is None:  # (none complete yet: empty summaries)
             first, last = done * stride, max(done * stride, (complete - 1) * stride + length)  # their positions
             k0 = first - self.k.start
-            q_w, x_w = (_positions(rows, now, new, first, last) for rows, now in zip(self.pending, (q, x)))
+            q_w, x_w = (_pending_span(rows, now, new, first, last) for rows, now in zip(self.pending, (q, x)))
             new_summaries = layer.summarise(q_w, self.k.view()[:, :, k0:k0 + last - first],
                                             self.v.view()[:, :, k0:k0 + last - first], x_w, first)
             new_summaries = new_summaries if isinstance(new_summaries, tuple) else (new_summaries,)
