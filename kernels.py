@@ -1350,6 +1350,13 @@ def _index_scores(q_idx, k_idx, w, q_start, k_start):
 TOP_N_NARROWED, TOP_N_NARROWED_CALL = 8, 1 << 17
 
 
+# _top_n(narrow=True) on a CPU takes n <= TOP_N_OF_FLOATS (nsa's and moba's blocks) from a
+# top-k of the float scores themselves (`_top_n_of_floats`), in calls of at least
+# TOP_N_NARROWED_CALL scores: torch's top-k over 4-byte floats ran 2.5-3.5x as fast as over
+# the 8-byte (score, index) key on rows of 512-1024 block scores.
+TOP_N_OF_FLOATS = 16
+
+
 # _top_n(maxima=True) (FLEX's) takes n <= TOP_N_BY_MAXIMA as n running maxima of the key: on an
 # H200, moba's top-3 through torch.topk (a radix select over int64 keys) was 9.4 of 26.8 ms of
 # its core at T = 16384 (benchmarks/gpu_runs/h200_2026-11-28b.md); n reductions, each fused
@@ -1369,6 +1376,8 @@ def _top_n(scores, n, narrow=False, maxima=False):
     distinct: it holds its index), in place of the top-k."""
     S = scores.shape[-1]
     narrow = narrow and not torch.compiler.is_compiling() and scores.device.type == "cpu"
+    if narrow and n < S and n <= TOP_N_OF_FLOATS and scores.numel() >= TOP_N_NARROWED_CALL:
+        return _top_n_of_floats(scores, n)
     if narrow and S >= TOP_N_NARROWED * n and scores.numel() >= TOP_N_NARROWED_CALL:
         return _top_n_narrowed(scores, n)
     if S < n:
@@ -1385,9 +1394,16 @@ def _order_key(scores):
     int32 times 2^32 plus the index; where the wide key was built first and then shifted and
     or-ed in place, each of those passes moved twice the bytes: 0.54-0.68x the time for rows
     of 32768 scores)."""
+    return torch.add(torch.arange(scores.shape[-1], device=scores.device), _ordered_bits(scores), alpha=1 << 32)
+
+
+def _ordered_bits(scores):
+    """Each float32 score's bits as an int32 ordered as the scores are (-0.0 made 0.0)."""
     bits = (scores.detach().float() + 0.0).view(torch.int32)  # -0.0 made 0.0
-    bits ^= (bits >> 31).bitwise_and_(0x7FFFFFFF)  # negative floats: their 31 magnitude bits flipped
-    return torch.add(torch.arange(scores.shape[-1], device=scores.device), bits, alpha=1 << 32)
+    return bits.__ixor__((bits >> 31).bitwise_and_(0x7FFFFFFF))  # negative floats: their 31 magnitude bits flipped
+
+
+_NEG_INF_BITS = int(_ordered_bits(torch.tensor([NEG_INF])))  # -inf's, the lowest of every score
 
 
 def _top_n_by_maxima(scores, n):
@@ -1399,6 +1415,26 @@ def _top_n_by_maxima(scores, n):
         tops.append(key.masked_fill_(key >= tops[-1][..., None], torch.iinfo(torch.long).min).amax(-1))
     top = torch.stack(tops, -1) & 0xFFFFFFFF  # the index: the key's low 32 bits
     return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
+
+
+def _top_n_of_floats(scores, n):
+    """_top_n's result from a top-k of the float scores (n + 1 of them, highest first), for
+    n < the row's length: where the n-th score is above the next, the n listed are the row's
+    n highest whatever the order of equal scores, and their keys sorted give the order (ties
+    to the higher index); a row whose n-th score equals the next (a tie across the cut), or
+    with a NaN among them, takes the key's top-k. A row's -inf scores are -1, as ever."""
+    S = scores.shape[-1]
+    s = scores.detach().float().reshape(-1, S)
+    values, cols = s.topk(n + 1, -1)
+    cut, next_ = values[:, n - 1], values[:, n]
+    # equal -inf scores list -1 either way; a NaN ranks by its sign bit in the key, first in torch's top-k
+    across = ((cut == next_) & (cut != NEG_INF)) | values.isnan().any(-1)
+    key = torch.add(cols[:, :n], _ordered_bits(values[:, :n]), alpha=1 << 32).sort(-1, descending=True).values
+    top = (key & 0xFFFFFFFF).masked_fill_(key >> 32 == _NEG_INF_BITS, -1)
+    if across.any():
+        rows = across.nonzero()[:, 0]
+        top[rows] = _top_n(s[rows], n)
+    return top.view(*scores.shape[:-1], n)
 
 
 def _top_n_narrowed(scores, n):

@@ -740,21 +740,29 @@ def _top_n_rows(kind, shape, n, g):
         x[..., ::2] = -0.0
     elif kind == "fewer than n":
         x[..., n // 2:] = float("-inf")
+    elif kind == "ties above the cut":  # the n highest all equal, the next lower: one order, by index
+        x[..., torch.linspace(0, shape[-1] - 1, n).long()] = 10.0
     return x
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "tail", "no finite", "signed zeros", "fewer than n"])
+TOP_N_KINDS = ["normal", "ties", "tail", "no finite", "signed zeros", "fewer than n", "ties above the cut"]
+
+
+@pytest.mark.parametrize("kind", TOP_N_KINDS)
 @pytest.mark.parametrize("shape,n", [((3, 5, 4096), 256), ((2, 7, 300), 8), ((5, 1000), 3)])
 def test_narrowed_top_n_is_attention_top_n(kind, shape, n):
     """kernels._top_n_narrowed (a CPU's top-n of long rows: candidates first, then a top-n of
-    them) returns attention.top_n exactly: the same indices in the same order, ties to the
-    higher index, -1 for -inf; and _top_n(narrow=True) takes it for a large call of long rows."""
+    them) and _top_n_of_floats (a CPU's top-n of a few: a top-k of the floats, the key's
+    where the n-th score ties across the cut) return attention.top_n exactly: the same
+    indices in the same order, ties to the higher index, -1 for -inf; and _top_n(narrow=True)
+    takes one of them for a large call of long rows."""
     x = _top_n_rows(kind, shape, n, torch.Generator().manual_seed(len(kind)))
     assert torch.equal(kernels._top_n_narrowed(x, n), attention.top_n(x, n))
+    assert torch.equal(kernels._top_n_of_floats(x, n), attention.top_n(x, n))
     assert torch.equal(kernels._top_n(x, n, narrow=True), attention.top_n(x, n))
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "tail", "no finite", "signed zeros", "fewer than n"])
+@pytest.mark.parametrize("kind", TOP_N_KINDS)
 @pytest.mark.parametrize("shape,n", [((2, 7, 300), 3), ((5, 1000), 4), ((4, 2), 3), ((3, 50), 1)])
 def test_top_n_by_maxima_is_attention_top_n(kind, shape, n):
     """FLEX's top-n of a few (moba's 3 blocks): n running maxima of the (score, index) key
@@ -776,13 +784,28 @@ def test_flex_takes_the_maxima_for_a_few_and_the_top_k_for_more(monkeypatch):
     assert taken == [kernels.TOP_N_BY_MAXIMA]
 
 
+def test_top_n_of_floats_ranks_a_nan_as_the_key_does():
+    """A NaN ranks by its bits in attention.top_n's key (a NaN with the sign bit set below
+    -inf, one without above +inf), first of all in torch's float top-k: _top_n_of_floats
+    gives such rows to the key."""
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    x[0, 5] = float("nan")
+    x[1, 7] = -float("nan")
+    x[2, 9] = x[2, 11] = -float("nan")
+    assert x[1, 7].view(torch.int32) < 0  # the sign bit set
+    assert torch.equal(kernels._top_n_of_floats(x, 3), attention.top_n(x, 3))
+
+
 def test_top_n_narrows_large_cpu_calls_of_long_rows(monkeypatch):
     taken = []
-    monkeypatch.setattr(kernels, "_top_n_narrowed", lambda s, n: taken.append(s.shape) or attention.top_n(s, n))
+    monkeypatch.setattr(kernels, "_top_n_narrowed", lambda s, n: taken.append(("narrowed", n)) or attention.top_n(s, n))
+    monkeypatch.setattr(kernels, "_top_n_of_floats", lambda s, n: taken.append(("floats", n)) or attention.top_n(s, n))
     large = torch.randn(64, kernels.TOP_N_NARROWED_CALL // 64)
-    kernels._top_n(large, 8, narrow=True)
-    kernels._top_n(large, 8)  # FLEX's (the GPU path's, even on CPU tensors): never narrowed
+    few, many = kernels.TOP_N_OF_FLOATS, kernels.TOP_N_OF_FLOATS + 1
+    kernels._top_n(large, few, narrow=True)  # nsa's and moba's blocks
+    kernels._top_n(large, many, narrow=True)  # the indexer's keys
+    kernels._top_n(large, few)  # FLEX's (the GPU path's, even on CPU tensors): never narrowed
     kernels._top_n(torch.randn(2, 100), 8, narrow=True)  # a decoding step's few scores: the plain top-k
-    assert taken == [(64, kernels.TOP_N_NARROWED_CALL // 64)]
+    assert taken == [("floats", few), ("narrowed", many)]
     assert kernels.BLOCKWISE.indexer_topk.keywords == {"narrow": True}
     assert kernels.FLEX.indexer_topk is kernels.chunked_indexer_topk
