@@ -465,6 +465,30 @@ def test_a_traced_step_takes_its_top_k_whole_where_eager_narrows_it(monkeypatch)
     assert not breaks, breaks
 
 
+@pytest.mark.parametrize("name", ["nsa", "moba"])
+def test_a_prefill_through_the_top_n_of_floats_selects_the_references_blocks(name, monkeypatch):
+    """With every selection call large enough for it, nsa's and moba's prefill takes its
+    blocks from the CPU's top-n of floats (kernels._top_n_of_floats): the logits equal the
+    reference's, and decoding after that prefill equals the reference's forward over the
+    longer sequence, so the blocks it picked are attention.top_n's."""
+    import kernels
+    monkeypatch.setattr(kernels, "TOP_N_NARROWED_CALL", 1)
+    taken, real = [], kernels._top_n_of_floats
+    monkeypatch.setattr(kernels, "_top_n_of_floats", lambda s, n: taken.append(n) or real(s, n))
+    idx = torch.randint(0, 64, (1, 170), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    reference = Model(ModelConfig(**SIZES, attn=name, kernel="ref")).eval()
+    model = tiny(name)
+    with torch.no_grad():
+        want = reference(idx)[0]
+        cache = model.new_cache()
+        got = [model(idx[:, :160], cache=cache)[0]]
+        assert taken, "the prefill never took the top-n of floats: the thresholds above no longer reach it"
+        got += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(160, 170)]
+    got = torch.cat(got, 1)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
 def compiled_decoding(name, capacity, steps=96, prefill=100):
     """(graphs the compiled step made, the largest difference of its logits from the eager
     step's) over `steps` one-token steps after an eager prefill, through model.compile_decoding
