@@ -1125,10 +1125,9 @@ def _dense_selected_attention(q, k, v, scale, off, keys):
     chunk of queries at a time, SDPA over every key up to the chunk's last query with a mask
     of the keys each lists and sees. A query that sees none gets 0, as in the reference (its
     row is given its own key to stay finite, then zeroed: a row SDPA sees wholly masked was
-    NaN before torch 2.5). Which listed keys count is decided
-    on the (chunk, n) list, then scattered once into the (chunk, S) mask: each pass over the
-    mask (a comparison, an any, an and) cost as much as the list's whole handling (at T =
-    8192, k = 256: 0.45 of the indexer's 8.6 s of prefill)."""
+    NaN before torch 2.5). Which listed keys count is decided on the (chunk, n) list, then
+    scattered once into the (chunk, S) mask: five passes over the mask (comparisons, an any,
+    an and, an or) took ~0.45 s of the indexer's 8.6 s prefill at T = 8192, k = 256."""
     B, H, T, D = q.shape
     S = k.shape[2]
     step = max(1, SELECTED_MASK // S)
@@ -1400,7 +1399,8 @@ def _order_key(scores):
 def _ordered_bits(scores):
     """Each float32 score's bits as an int32 ordered as the scores are (-0.0 made 0.0)."""
     bits = (scores.detach().float() + 0.0).view(torch.int32)  # -0.0 made 0.0
-    return bits.__ixor__((bits >> 31).bitwise_and_(0x7FFFFFFF))  # negative floats: their 31 magnitude bits flipped
+    bits ^= (bits >> 31).bitwise_and_(0x7FFFFFFF)  # negative floats: their 31 magnitude bits flipped
+    return bits
 
 
 _NEG_INF_BITS = int(_ordered_bits(torch.tensor([NEG_INF])))  # -inf's, the lowest of every score
@@ -1430,7 +1430,7 @@ def _top_n_of_floats(scores, n):
     # equal -inf scores list -1 either way; a NaN ranks by its sign bit in the key, first in torch's top-k
     across = ((cut == next_) & (cut != NEG_INF)) | values.isnan().any(-1)
     key = torch.add(cols[:, :n], _ordered_bits(values[:, :n]), alpha=1 << 32).sort(-1, descending=True).values
-    top = (key & 0xFFFFFFFF).masked_fill_(key >> 32 == _NEG_INF_BITS, -1)
+    top = (key & 0xFFFFFFFF).masked_fill_(key >> 32 == _NEG_INF_BITS, -1)  # the index: the key's low 32 bits
     if across.any():
         rows = across.nonzero()[:, 0]
         top[rows] = _top_n(s[rows], n)
