@@ -1351,8 +1351,9 @@ TOP_N_NARROWED, TOP_N_NARROWED_CALL = 8, 1 << 17
 
 # _top_n(narrow=True) on a CPU takes n <= TOP_N_OF_FLOATS (nsa's and moba's blocks) from a
 # top-k of the float scores themselves (`_top_n_of_floats`), in calls of at least
-# TOP_N_NARROWED_CALL scores: torch's top-k over 4-byte floats ran 2.5-3.5x as fast as over
-# the 8-byte (score, index) key on rows of 512-1024 block scores.
+# TOP_N_NARROWED_CALL scores: torch's top-k over 4-byte floats ran 2-4x as fast as over the
+# 8-byte (score, index) key on rows of 512-1024 block scores (with the key's sort and the tie
+# check, 0.55-0.9x the narrowed top-n's time there; on rows of 256, 1.13x in one reading).
 TOP_N_OF_FLOATS = 16
 
 

@@ -476,9 +476,8 @@ def test_a_prefill_through_the_top_n_of_floats_selects_the_references_blocks(nam
     taken, real = [], kernels._top_n_of_floats
     monkeypatch.setattr(kernels, "_top_n_of_floats", lambda s, n: taken.append(n) or real(s, n))
     idx = torch.randint(0, 64, (1, 170), generator=torch.Generator().manual_seed(5))
-    torch.manual_seed(0)
-    reference = Model(ModelConfig(**SIZES, attn=name, kernel="ref")).eval()
-    model = tiny(name)
+    reference, model = tiny(name), tiny(name)
+    model_module.set_kernel(reference, "ref")
     with torch.no_grad():
         want = reference(idx)[0]
         cache = model.new_cache()
