@@ -78,9 +78,9 @@ here and the loops write into float32 buffers):
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Without a gradient (a prefill) the listed rows are read where
   they lie instead (`listed_rows_attention`, as a decoding step reads them). Time O(T n H D),
-  memory O(T D) plus one chunk. While a query sees fewer than SELECTED_DENSE x n keys, SDPA
-  over every visible key with a mask of the listed ones instead: more pairs, but each ~27x
-  cheaper here than a key read by index.
+  memory O(T D) plus one chunk. While a query sees fewer than SELECTED_DENSE x n keys
+  (LISTED_DENSE x n without gradient), SDPA over every visible key with a mask of the listed
+  ones instead: more pairs, but each ~27x (~8x) cheaper here than a key read by index.
 FLEX's selected attention (`flex_selected_attention`): one FlexAttention call whose mask_mod
 reads each query's listed keys as bits and whose query tiles list the key tiles any of their
 queries chose: per-token choices touch nearly every tile, so the work is about dense, on
@@ -1081,12 +1081,21 @@ def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride,
 # ---------------------------------------------------------------------------- BLOCKWISE: selected keys
 
 SELECTED_GATHER = 1 << 22  # gathered key elements of one chunk of queries (16 MB in float32)
+# Without a gradient (a prefill), a chunk of queries reads its listed rows where they lie
+# (`listed_rows_attention`), keeping only (query head, listed key) logits: its chunk is set by
+# those pairs, and larger, so that a head's keys are read by many queries in a row while they
+# are in cache (the chunk's rows go head by head). At SELECTED_GATHER's chunk (21 queries at
+# 12 heads, k = 256) every chunk swept all 12 heads' keys: the indexer's selected attention at
+# T = 32768 took 1.5-1.7x this chunk's time (1365 queries).
+LISTED_PAIRS = 1 << 22  # (query head, listed key) pairs of one chunk read in place (16 MB of logits)
 # Below this many visible keys per listed key, the selected attention runs dense (SDPA over
 # every visible key, a mask keeping the listed ones) instead of gathering: on this project's
-# CPU a key read by index cost ~27x a key in SDPA's tiles (116 ns against 4.3 ns a (query,
-# key) pair at T = 8192, 12 heads, k = 256: 2.9 s against 1.7 s), so dense is cheaper while
-# the mean query sees fewer than ~27 k keys (T < ~14k at k = 256, prefill from the start).
-SELECTED_DENSE = 24
+# CPU a key gathered for the backward cost ~27x a key in SDPA's tiles (116 ns against 4.3 ns a
+# (query, key) pair at T = 8192, 12 heads, k = 256: 2.9 s against 1.7 s), so dense is cheaper
+# while the mean query sees fewer than ~27 k keys (T < ~14k at k = 256, from the start). Read
+# in place without gradient a listed key costs ~8x a pair in SDPA (T = 8192: 0.7-1.1 s
+# against 1.7-1.8 s; T = 2048 about even, T = 1024 dense 2x as fast): LISTED_DENSE.
+SELECTED_DENSE, LISTED_DENSE = 24, 4
 SELECTED_MASK = 1 << 22  # (chunk, S) mask elements of one chunk of queries in the dense form
 
 
@@ -1101,7 +1110,10 @@ def blockwise_selected_attention(q, k, v, scale, q_start, k_start, keys):
     T S / 2 bytes in all where it is chosen (33 MB at T = 8192)."""
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
-        if k.shape[2] - q.shape[2] / 2 <= SELECTED_DENSE * keys.shape[-1]:
+        # no gradient (a prefill, an evaluation): the listed rows read where they lie, not copied
+        # out and read again (10 of the indexer's 26 s of prefill at T = 16384)
+        in_place = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        if k.shape[2] - q.shape[2] / 2 <= (LISTED_DENSE if in_place else SELECTED_DENSE) * keys.shape[-1]:
             return _dense_selected_attention(*_float32(q, k, v), scale, off, keys)
         q, k, v = _float32(q * scale, k, v)
         # contiguous once: each chunk reads k, v as rows (a view of a projection's transposed
@@ -1110,10 +1122,8 @@ def blockwise_selected_attention(q, k, v, scale, q_start, k_start, keys):
         B, H, T, D = q.shape
         step = max(1, SELECTED_GATHER // (B * k.shape[1] * keys.shape[-1] * D))
         run = _selected_chunk
-        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            # no gradient (a prefill, an evaluation): the listed rows read where they lie, not copied
-            # out and read again (10 of the indexer's 26 s of prefill at T = 16384)
-            run = listed_rows_attention
+        if in_place:
+            run, step = listed_rows_attention, max(1, LISTED_PAIRS // (B * H * keys.shape[-1]))
         elif step < T:
             run = functools.partial(torch.utils.checkpoint.checkpoint, _selected_chunk, use_reentrant=False)
         return torch.cat([run(q[:, :, t0:t0 + step], k, v, keys[:, t0:t0 + step], off + t0)
@@ -1315,6 +1325,13 @@ def _lightning_scores(q_idx, k_idx, w, q_start, k_start):
 INDEX_KEY_TILE = dict(cpu=1 << 11, cuda=1 << 30)
 
 
+def _scale_on_weights(d):
+    """Whether 1 / sqrt(d) is a power of two (d = 4, 16, 64, 256, ...): eq. 1's scale may then
+    move from the dots onto the heads' weights without changing a bit of the scores."""
+    root = math.isqrt(d)
+    return root * root == d and root & (root - 1) == 0
+
+
 @torch.no_grad()
 def _index_scores(q_idx, k_idx, w, q_start, k_start):
     """_lightning_scores without gradient (the selection's): every indexer head's dots in one
@@ -1324,13 +1341,19 @@ def _index_scores(q_idx, k_idx, w, q_start, k_start):
     each a pass through memory. The keys are taken a tile at a time (`INDEX_KEY_TILE`): the
     scale, ReLU and sums then read each tile's dots from cache, 0.47-0.58x the time of the
     untiled form on 64 queries x 16384 keys. Per element, the operations and their order are
-    those of one head at a time: the same scores in our checks, to the bit."""
+    those of one head at a time: the same scores in our checks, to the bit. Where 1 / sqrt(d)
+    is a power of two (d = 4, 16, 64, 256), the heads' weights take it instead of the dots:
+    ReLU(x / sqrt(d)) w = ReLU(x) (w / sqrt(d)) to the bit (a power of two scales a float
+    exactly), and the (T J, S) dots skip a pass (0.7 s of the 10 s a layer at T = 32768)."""
     B, T, J, d = q_idx.shape
     S = k_idx.shape[1]
     q_rows, k, w = q_idx.float().reshape(B, T * J, d), k_idx.float(), w.float()
+    on_weights = _scale_on_weights(d)
+    w = w / math.sqrt(d) if on_weights else w
     scores = q_rows.new_empty(B, T, S)
     for s0, s1 in query_chunks(S, 1, INDEX_KEY_TILE, q_idx.device):  # the keys in tiles
-        dots = torch.bmm(q_rows, k[:, s0:s1].transpose(1, 2)).div_(math.sqrt(d)).relu_().view(B, T, J, s1 - s0)
+        dots = torch.bmm(q_rows, k[:, s0:s1].transpose(1, 2))
+        dots = (dots if on_weights else dots.div_(math.sqrt(d))).relu_().view(B, T, J, s1 - s0)
         out = scores[..., s0:s1]
         torch.mul(dots[:, :, 0], w[:, :, 0, None], out=out)
         for j in range(1, J):

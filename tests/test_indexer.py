@@ -186,6 +186,21 @@ def test_scores_in_key_tiles_equal_the_definition(tile, monkeypatch):
             assert rel(got[want.isfinite()], want[want.isfinite()]) < 1e-6, (q_start, k_start)
 
 
+@pytest.mark.parametrize("d", [16, 64])
+def test_scale_moved_onto_the_weights_changes_no_bit(d, monkeypatch):
+    """Where 1 / sqrt(d) is a power of two, kernels._index_scores multiplies the heads' weights
+    by it instead of dividing the dots: the scores equal the divided form's to the bit."""
+    assert kernels._scale_on_weights(d) and not any(map(kernels._scale_on_weights, (8, 12, 32, 36, 48)))
+    g = torch.Generator().manual_seed(3)
+    q_idx, k_idx = torch.randn(2, 30, 4, d, generator=g), torch.randn(2, 30, d, generator=g)
+    w = torch.randn(2, 30, 4, generator=g)
+    moved = kernels._index_scores(q_idx, k_idx, w, 0, 0)
+    monkeypatch.setattr(kernels, "_scale_on_weights", lambda d: False)
+    divided = kernels._index_scores(q_idx, k_idx, w, 0, 0)
+    assert torch.equal(moved, divided)
+    assert rel(moved[moved.isfinite()], attention.lightning_scores(q_idx, k_idx, w, 0, 0)[moved.isfinite()]) < 1e-6
+
+
 @pytest.mark.parametrize("topk", [1, 4, 20])
 def test_selection_and_attention_equal_the_loops(topk, monkeypatch):
     """The selection equals a brute-force sort (ties to the most recent key) and the output the
@@ -376,6 +391,7 @@ def test_selected_attention_paths_equal_the_reference(q_start, dense, monkeypatc
     which the blockwise path takes while queries see few keys); flex outputs (FlexAttention,
     eager)."""
     monkeypatch.setattr(kernels, "SELECTED_DENSE", 10 ** 9 if dense else 0)
+    monkeypatch.setattr(kernels, "LISTED_DENSE", 10 ** 9 if dense else 0)
     monkeypatch.setattr(kernels, "SELECTED_MASK", 8 * (q_start + 45))  # 8 queries per dense chunk
     g = torch.Generator().manual_seed(4)
     B, H, Hkv, T, D, n = 2, 4, 2, 45, 8, 7
@@ -393,6 +409,7 @@ def test_selected_attention_paths_equal_the_reference(q_start, dense, monkeypatc
     ref = attention.selected_attention(q, k, v, 0.3, q_start, 0, keys)
     ref_grads = torch.autograd.grad(ref, (q, k, v), cot)
     monkeypatch.setattr(kernels, "SELECTED_GATHER", B * Hkv * n * D * 8)  # 8 queries per chunk: several chunks
+    monkeypatch.setattr(kernels, "LISTED_PAIRS", B * H * n * 8)  # the same without gradient
     out = kernels.BLOCKWISE.selected_attention(q, k, v, 0.3, q_start, 0, keys)
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
