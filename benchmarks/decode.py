@@ -16,7 +16,10 @@ that what a step reads is the layers and their caches. One thread by default (--
 
 What is printed, per variant and T:
 - prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
-  compiles the GPU path for that shape), and that over `full`'s.
+  compiles the GPU path for that shape; on a CPU after an untimed prefill of min(T, 4096)
+  tokens, in which a compiled helper compiles at its first call, kernels.GatheredDots for
+  the indexer's listed keys: ~10 s once a process, which the first row to use it counted),
+  and that over `full`'s.
 - decode: the median ms of --steps one-token steps (after one untimed step, `measure`), its
   spread (min - max over the steps) and that over `full`'s median, at batch 1 and at
   --batch. `full`'s steps for that ratio are taken in turns with the row's own (--rounds
@@ -174,6 +177,11 @@ def turns(step, cache, beside, batch, args):
     return mine, theirs
 
 
+# the untimed prefill's tokens on a CPU: past 2 x kernels.LISTED_DENSE x k = 2048 tokens the
+# indexer reads its listed keys in place, through kernels.GatheredDots
+PREFILL_WARM = 4096
+
+
 def measure(attn, T, args, autocast, beside=None, keep=False):
     """One row: prefill and decoding of `attn` at T. With `beside` (`full`'s model and caches at
     T, batch 1 and --batch), full's steps are taken in turns with this row's (`turns`) and kept
@@ -192,6 +200,8 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     with torch.no_grad(), autocast:
         if args.device == "cuda":  # compiles (one per shape) outside the timing
             model(idx, cache=model.new_cache())
+        else:  # the CPU's compiled helpers compile at their first call (once a process), outside the timing
+            model(idx[:, :PREFILL_WARM], cache=model.new_cache())
         cache = model.new_cache(capacity)
         t0 = clock(args.device)
         model(idx, cache=cache)
