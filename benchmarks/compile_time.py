@@ -47,12 +47,13 @@ def allow_cpu_backward():
         nn_fa._validate_device = lambda *args, **kwargs: None
 
 
-def first_steps(attn, how, T, B, device, backend):
+def first_steps(attn, how, T, B, device, backend, layers=None):
     """(first step s, second step s, graphs traced) of one training step of `attn`, compiled
-    `how` ('whole' or 'blocks')."""
+    `how` ('whole' or 'blocks'); layers: the preset's n_layer unless given."""
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
-    model = Model(ModelConfig(**{**PRESETS[SHAPE], "vocab_size": 50304, "attn": attn, "kernel": "flex"})).to(device)
+    shape = {**PRESETS[SHAPE], "n_layer": layers or PRESETS[SHAPE]["n_layer"]}
+    model = Model(ModelConfig(**{**shape, "vocab_size": 50304, "attn": attn, "kernel": "flex"})).to(device)
     model.train()
     idx = torch.randint(0, 50304, (B, T + 1), device=device)
     torch._dynamo.reset()
@@ -87,6 +88,7 @@ def main(argv=None):
     parser.add_argument("--only", help="comma-separated variants (default: all)")
     parser.add_argument("--T", type=int, help="sequence length (default 1024 on CUDA, 256 on a CPU)")
     parser.add_argument("--B", type=int, default=1, help="batch")
+    parser.add_argument("--layers", type=int, help=f"layers (default {SHAPE}'s, 12: whole traces each one, blocks one)")
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else list(VARIANTS)
     unknown = set(names) - set(VARIANTS)
@@ -103,14 +105,15 @@ def main(argv=None):
         allow_cpu_backward()
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     first_steps("full", "blocks", 16, 1, device, backend)  # the process's one-time costs (imports), in no row
-    print(f"compile_time: {SHAPE}, T = {T}, B = {args.B}, kernel=flex on {device}, backend {backend}, "
+    layers = args.layers or PRESETS[SHAPE]["n_layer"]
+    print(f"compile_time: {SHAPE}, {layers} layers, T = {T}, B = {args.B}, kernel=flex on {device}, backend {backend}, "
           f"torch {torch.__version__}", flush=True)
     print("| config | whole: first step s | step s | compile s | graphs | blocks: first step s | step s | compile s "
           "| graphs | compile s, blocks / whole |")
     print("|---" * 10 + "|")
     for attn in names:
-        whole = first_steps(attn, "whole", T, args.B, device, backend)
-        blocks = first_steps(attn, "blocks", T, args.B, device, backend)
+        whole = first_steps(attn, "whole", T, args.B, device, backend, layers)
+        blocks = first_steps(attn, "blocks", T, args.B, device, backend, layers)
         cells = [f"{whole[0]:.1f}", f"{whole[1]:.2f}", f"{whole[2]:.1f}", whole[3],
                  f"{blocks[0]:.1f}", f"{blocks[1]:.2f}", f"{blocks[2]:.1f}", blocks[3], f"{blocks[2] / whole[2]:.2f}"]
         print(f"| {attn} | " + " | ".join(str(c) for c in cells) + " |", flush=True)

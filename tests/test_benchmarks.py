@@ -263,8 +263,10 @@ def test_gpu_check_frees_a_failed_configuration_before_the_next(monkeypatch):
 def test_compile_time_compares_whole_and_blocks(tmp_path):
     """benchmarks/compile_time.py: per variant, the first training step compiled whole and
     block by block (train.py's model.compile_blocks), side by side; whole traces one graph,
-    blocks one for the block and one for the tail (norm, head, loss)."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--only=local", "--T=32"],
+    blocks one for the block and one for the tail (norm, head, loss). Two layers: whole then
+    traces two (its count of graphs is still one), in a third of the 12 layers' time."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--only=local", "--T=32",
+                        "--layers=2"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -406,9 +408,11 @@ def test_decode_benchmark_times_its_eager_steps_after_an_untimed_one(tmp_path, m
 
 def test_decode_ab_compiles_each_checkouts_steps(tmp_path):
     """decode_ab.py --compile: every checkout's steps through its own model.compile_decoding
-    (said per row), timed after warm-up steps, in the same table."""
+    (said per row), timed after warm-up steps, in the same table. At batch 1 only: each batch
+    is a graph of its own, compiled by inductor (~15 s each here); a second batch's steps take
+    the same path (`interleaved`), and tests/test_sample.py compiles steps at batch 2."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_ab.py"), f"a={ROOT}",
-                        "--lengths=64", "--variants=local", "--steps=2", "--batch=2", "--compile"], cwd=tmp_path,
+                        "--lengths=64", "--variants=local", "--steps=2", "--compile"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     said = [line for line in r.stdout.splitlines() if "steps" in line and line.strip().startswith("T=64")]
