@@ -1120,12 +1120,12 @@ def blockwise_selected_attention(q, k, v, scale, q_start, k_start, keys):
         # output would be copied whole in every chunk, T / chunk copies: 307 s at T = 32768)
         k, v = k.contiguous(), v.contiguous()
         B, H, T, D = q.shape
-        step = max(1, SELECTED_GATHER // (B * k.shape[1] * keys.shape[-1] * D))
-        run = _selected_chunk
         if in_place:
             run, step = listed_rows_attention, max(1, LISTED_PAIRS // (B * H * keys.shape[-1]))
-        elif step < T:
-            run = functools.partial(torch.utils.checkpoint.checkpoint, _selected_chunk, use_reentrant=False)
+        else:
+            run, step = _selected_chunk, max(1, SELECTED_GATHER // (B * k.shape[1] * keys.shape[-1] * D))
+            if step < T:
+                run = functools.partial(torch.utils.checkpoint.checkpoint, _selected_chunk, use_reentrant=False)
         return torch.cat([run(q[:, :, t0:t0 + step], k, v, keys[:, t0:t0 + step], off + t0)
                           for t0 in range(0, T, step)], dim=2)
 

@@ -47,13 +47,13 @@ def allow_cpu_backward():
         nn_fa._validate_device = lambda *args, **kwargs: None
 
 
-def first_steps(attn, how, T, B, device, backend, layers=None):
-    """(first step s, second step s, graphs traced) of one training step of `attn`, compiled
-    `how` ('whole' or 'blocks'); layers: the preset's n_layer unless given."""
+def first_steps(attn, how, T, B, device, backend, layers):
+    """(first step s, second step s, graphs traced) of one training step of `attn` with
+    `layers` layers, compiled `how` ('whole' or 'blocks')."""
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
-    shape = {**PRESETS[SHAPE], "n_layer": layers or PRESETS[SHAPE]["n_layer"]}
-    model = Model(ModelConfig(**{**shape, "vocab_size": 50304, "attn": attn, "kernel": "flex"})).to(device)
+    cfg = {**PRESETS[SHAPE], "n_layer": layers, "vocab_size": 50304, "attn": attn, "kernel": "flex"}
+    model = Model(ModelConfig(**cfg)).to(device)
     model.train()
     idx = torch.randint(0, 50304, (B, T + 1), device=device)
     torch._dynamo.reset()
@@ -104,8 +104,8 @@ def main(argv=None):
         backend = "aot_eager"
         allow_cpu_backward()
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-    first_steps("full", "blocks", 16, 1, device, backend)  # the process's one-time costs (imports), in no row
     layers = args.layers or PRESETS[SHAPE]["n_layer"]
+    first_steps("full", "blocks", 16, 1, device, backend, layers)  # the process's one-time costs (imports), in no row
     print(f"compile_time: {SHAPE}, {layers} layers, T = {T}, B = {args.B}, kernel=flex on {device}, backend {backend}, "
           f"torch {torch.__version__}", flush=True)
     print("| config | whole: first step s | step s | compile s | graphs | blocks: first step s | step s | compile s "
