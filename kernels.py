@@ -1770,19 +1770,20 @@ def pair_gate_kernels(q):
         except ImportError as e:
             why = f"triton not importable ({e})"
         if why is None:
-            return _say_pair_gate("triton", "kernels_triton.py, no atomics")
+            return _say_once("asga's pair-gated attention", "triton", "kernels_triton.py, no atomics")
     elif ASGA_KERNEL == "auto":
         why = "not a CUDA tensor"
-    return _say_pair_gate("flex", why)
+    return _say_once("asga's pair-gated attention", "flex", why)
 
 
-_pair_gate_said = set()
+_said = set()
 
 
-def _say_pair_gate(path, why):
-    if path not in _pair_gate_said and not torch.compiler.is_compiling():
-        _pair_gate_said.add(path)
-        print(f"kernels.py: asga's pair-gated attention: {path} ({why})", file=sys.stderr, flush=True)
+def _say_once(what, path, why):
+    """Print which path `what` takes, once per (what, path) a process, outside a compile."""
+    if (what, path) not in _said and not torch.compiler.is_compiling():
+        _said.add((what, path))
+        print(f"kernels.py: {what}: {path} ({why})", file=sys.stderr, flush=True)
     return path, why
 
 
@@ -1923,13 +1924,42 @@ def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
 
 def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
     """attention.compressed_branch: the output through `flex_compressed_attention`, the block
-    scores through `chunked_block_scores` (which recompute p^cmp a chunk at a time: FlexAttention
-    returns an output, not the probabilities), then `choose` over all queries at once."""
+    scores apart (FlexAttention returns an output, not the probabilities): on CUDA through
+    kernels_triton.block_scores, one kernel that keeps p^cmp a tile at a time in registers,
+    elsewhere through `chunked_block_scores`, a chunk of queries at a time; then `choose` over
+    all queries at once."""
     out = flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)
     if choose is None:
         return out, None
     J = ceil_div(q_start + q.shape[2], block)
-    return out, choose(chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J), q_start)
+    if block_score_kernels(q, length, stride, block)[0] == "triton":
+        import kernels_triton
+        scores = kernels_triton.nsa_block_scores(q.detach(), k_cmp.detach(), scale, q_start, length, stride, block, J)
+    else:
+        scores = chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J)
+    return out, choose(scores, q_start)
+
+
+NSA_SCORES_KERNEL = os.environ.get("NSA_SCORES_KERNEL", "auto")  # auto (triton on CUDA) | triton | torch
+if NSA_SCORES_KERNEL not in ("auto", "triton", "torch"):
+    raise ValueError(f"NSA_SCORES_KERNEL={NSA_SCORES_KERNEL!r}: use auto (Triton's kernel on CUDA), triton or torch")
+
+
+def block_score_kernels(q, length, stride, block):
+    """('triton' or 'torch', why): the path of nsa's block scores on FLEX; said once per answer,
+    outside a compile."""
+    why = "NSA_SCORES_KERNEL=torch"
+    if NSA_SCORES_KERNEL == "triton" or (NSA_SCORES_KERNEL == "auto" and q.is_cuda):
+        try:
+            import kernels_triton
+            why = kernels_triton.block_scores_unsupported(q, length, stride, block)
+        except ImportError as e:
+            why = f"triton not importable ({e})"
+        if why is None:
+            return _say_once("nsa's block scores", "triton", "kernels_triton.block_scores, p^cmp never in memory")
+    elif NSA_SCORES_KERNEL == "auto":
+        why = "not a CUDA tensor"
+    return _say_once("nsa's block scores", "torch", why)
 
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger

@@ -24,8 +24,13 @@ Backward, with dM = P (dP - rowsum(dO * out)):
   dqt_c = sum_j dz w2_c GELU'(x_c), dkt_c = sum_i (same), dw2_c = sum_ij dz GELU(x_c),
   dscale = sum_ij da q.k; dq, dk from da * scale, dv from P, as in any attention.
 
-Imported only where it runs: a CUDA tensor (kernels.flex_pair_gated_attention), or Triton's
-interpreter on CPU tensors (TRITON_INTERPRET=1, tests/test_kernels_triton.py).
+nsa's block scores ([NSA] eqs. 8-9, what its selection ranks): `block_scores` at the end of
+this file, forward only, the compressed attention's probabilities a tile at a time in
+registers where the torch form (kernels.chunked_block_scores) writes them to memory.
+
+Imported only where it runs: a CUDA tensor (kernels.flex_pair_gated_attention,
+kernels.flex_compressed_branch), or Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
+tests/test_kernels_triton.py).
 """
 import os
 
@@ -369,3 +374,122 @@ def unsupported(q):
     """Why this kernel cannot take q, or None: tl.dot wants a power-of-two head dim >= 16."""
     D = q.shape[-1]
     return None if D >= 16 and D & (D - 1) == 0 else f"head_dim {D} is not a power of two >= 16"
+
+
+# ----------------------------------------------------------------------------- nsa's block scores
+# The selection of [NSA] eqs. 8-9, forward only (the block scores choose blocks; nothing
+# differentiates through them). Through torch ops (kernels.chunked_block_scores) a chunk of
+# queries keeps its (chunk, C) probabilities p^cmp in memory and reads them five times or more
+# (product, mask, softmax, the sliding sums of eq. 9); on an H100 the selection around
+# FlexAttention took ~70% of nsa's attention time, and under torch.compile the chunk loop is
+# unrolled (one set of kernels per chunk: 248 kernels for a block at T = 16384 against 107 at
+# 4096). Here one program per (query block, head) keeps p^cmp in registers, a tile at a time:
+#
+#   pass 1   the compressed keys the block's queries see, in tiles of BN: each row's max m and
+#            sum l of exp(s - m) (an online softmax, as FlashAttention's forward), s = scale q.k
+#   pass 2   the blocks in tiles of NB: the tile's NB PB compressed keys again, p = exp(s - m) / l,
+#            and the tile's block scores as one product p @ W, W (NB PB, NB) the overlap counts of
+#            eq. 9 (how many stride-segments compressed key i and block j share: the trapezoid
+#            of kernels.sliding_block_scores), the same for every tile
+#
+# PB = block / stride keys start in each block, and a block's score also takes the covers - 1
+# keys before its first (covers = length / stride <= PB): each tile starts one block early
+# (E = 1 when covers > 1) and stores its last NB - E blocks only. Rows that see no key score 0.
+# Like NSA's own kernels and fla's (which sort the scores in the same kernel), the scores never
+# exist as (T, C); the top-n stays a torch.topk over (T, J).
+# (query rows, keys in pass 1, blocks in pass 2, warps): of the shapes tried, the one that spills
+# nothing on sm_90 and sm_80 with bf16 and float32 inputs at D = 64 and 128 (76-169 registers;
+# 64 x 64 at 4 warps spilled 0.4-44 KB with float32 inputs, 64 x 32 at 8 warps 28 bytes on
+# sm_80 at D = 128; `python benchmarks/nsa_scores.py --compile`)
+SCORE_TILES = (32, 32, 16, 8)
+
+
+@triton.jit
+def _block_scores_kernel(Q, K, OUT, T, C, J, H, HKV, q_start, scale, LENGTH: tl.constexpr, STRIDE: tl.constexpr,
+                         PB: tl.constexpr, COVERS: tl.constexpr, E: tl.constexpr, D: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kh = ((bh // H) * HKV + (bh % H) // (H // HKV)).to(tl.int64)  # the key head of this query head
+    bh = bh.to(tl.int64)  # (B H T J) outgrows int32 at batch 16, T = 32768
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + (bh * T + offs_m[:, None]) * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    pos = q_start + offs_m
+    # compressed key i is complete once i STRIDE + LENGTH - 1 <= pos: the block's last row sees n_end
+    last = q_start + tl.minimum(pid_m * BM + BM, T) - 1
+    n_end = tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
+
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    for n0 in range(0, n_end, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        k = tl.load(K + (kh * C + offs_n[:, None]) * D + offs_d[None, :], mask=offs_n[:, None] < C, other=0.0)
+        seen = (offs_n[None, :] < C) & (offs_n[None, :] * STRIDE + LENGTH - 1 <= pos[:, None])
+        s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        m = m_new
+    m = tl.where(m == float("-inf"), 0.0, m)
+    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
+
+    # W[i, j]: the segments key i (segments i .. i + COVERS - 1) shares with block j (j PB .. j PB + PB - 1)
+    ki = tl.arange(0, NB * PB)[:, None]
+    kj = tl.arange(0, NB)[None, :] * PB
+    W = tl.maximum(tl.minimum(ki + COVERS - 1, kj + PB - 1) - tl.maximum(ki, kj) + 1, 0).to(tl.float32)
+    # the blocks a key the block's queries see reaches: the last seen key's last segment
+    jb_end = tl.minimum(J, (n_end + COVERS - 2) // PB + 1)
+    for jb in range(0, jb_end, NB - E):
+        offs_k = (jb - E) * PB + tl.arange(0, NB * PB)
+        k = tl.load(K + (kh * C + offs_k[:, None]) * D + offs_d[None, :],
+                    mask=(offs_k[:, None] >= 0) & (offs_k[:, None] < C), other=0.0)
+        seen = (offs_k[None, :] >= 0) & (offs_k[None, :] < C) & (offs_k[None, :] * STRIDE + LENGTH - 1 <= pos[:, None])
+        p = tl.where(seen, tl.exp(_dot(q, tl.trans(k), IEEE) * scale - m[:, None]) * inv_l[:, None], 0.0)
+        acc = tl.dot(p, W, input_precision="ieee")  # (BM, NB): float32 throughout
+        offs_j = jb - E + tl.arange(0, NB)
+        keep = (tl.arange(0, NB)[None, :] >= E) & (offs_j[None, :] < J) & (offs_m[:, None] < T)
+        tl.store(OUT + (bh * T + offs_m[:, None]) * J + offs_j[None, :], acc, mask=keep)
+
+
+def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
+    """kernels.chunked_block_scores: (B, H, T, J) float32 block scores ([NSA] eqs. 8-9) of q
+    (B, H, T, D) over the compressed keys k_cmp (B, Hkv, C, D), one dtype; 0 for the blocks no
+    seen key reaches."""
+    B, H, T, D = q.shape
+    Hkv, C = k_cmp.shape[1], k_cmp.shape[2]
+    covers, per_block = length // stride, block // stride
+    BM, BN, NB, warps = SCORE_TILES
+    out = torch.zeros(B, H, T, J, device=q.device, dtype=torch.float32)
+    if C and J:
+        _block_scores_kernel[(triton.cdiv(T, BM), B * H)](
+            q.contiguous(), k_cmp.contiguous(), out, T, C, J, H, Hkv, q_start, float(scale),
+            LENGTH=length, STRIDE=stride, PB=per_block, COVERS=covers, E=int(covers > 1), D=D,
+            BM=BM, BN=BN, NB=NB, IEEE=_precision(q.dtype), num_warps=warps)
+    return out
+
+
+@torch.library.custom_op("attention_gym_lm::nsa_block_scores", mutates_args=())
+def _block_scores_op(q: torch.Tensor, k_cmp: torch.Tensor, scale: float, q_start: int, length: int, stride: int,
+                     block: int, J: int) -> torch.Tensor:
+    return block_scores(q, k_cmp, scale, q_start, length, stride, block, J)
+
+
+@_block_scores_op.register_fake
+def _(q, k_cmp, scale, q_start, length, stride, block, J):
+    return q.new_empty(*q.shape[:3], J, dtype=torch.float32)
+
+
+def nsa_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
+    """`block_scores` as a custom op: a compiled block calls the kernel as it is."""
+    return _block_scores_op(q, k_cmp, float(scale), int(q_start), int(length), int(stride), int(block), int(J))
+
+
+def block_scores_unsupported(q, length, stride, block):
+    """Why `block_scores` cannot take these sizes, or None: tl.arange and tl.dot want powers of
+    two (the head dim >= 16, block / stride)."""
+    D, per_block = q.shape[-1], block // stride
+    if not (D >= 16 and D & (D - 1) == 0):
+        return f"head_dim {D} is not a power of two >= 16"
+    if per_block & (per_block - 1):
+        return f"nsa_block / nsa_cmp_stride = {per_block} is not a power of two"
+    return None

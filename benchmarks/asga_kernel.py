@@ -118,15 +118,36 @@ def time_rows(lengths, tile_sets, flex, device="cuda", runs=10):
         print(f"triton {i}: tiles {tiles}")
 
 
+def compile_for(fn, pointers, const, arch, warps):
+    """Triton's jit function `fn` compiled for sm_`arch` (no GPU needed): pointers {arg: '*bf16',
+    ...}, const {constexpr arg: value}, the other args i32. (registers, (spill stores, spill
+    loads) bytes, cubin bytes, error or None), by ptxas -v on the kernel's PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        r = subprocess.run([str(ptxas), "-v", f"--gpu-name={gpu}", str(ptx), "-o", os.devnull],
+                           capture_output=True, text=True)
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    return (int(regs[0]) if regs else None, tuple(int(x) for x in spills[0]) if spills else None,
+            len(compiled.asm["cubin"]), None if regs else r.stderr[-300:])
+
+
 def compile_rows(tile_sets, archs=(90, 80), gate_spaces=("logit", "prob")):
     """Each kernel compiled for each arch (no GPU needed), with ptxas -v's registers and spill
     bytes: a list of dicts, each printed as a table row."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     import kernels_triton as kt
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(f"asga_kernel --compile: triton {triton.__version__}, D={D} r={R}, bf16 q, k, v", flush=True)
     common = dict(Q="*bf16", K="*bf16", V="*bf16", QT="*fp32", KT="*fp32", W2="*fp32", B2="*fp32", SC="*fp32")
     grads = dict(DO="*bf16", LSE="*fp32", DELTA="*fp32")
@@ -145,23 +166,10 @@ def compile_rows(tile_sets, archs=(90, 80), gate_spaces=("logit", "prob")):
                     const = dict(D=D, R=R, PROB=space == "prob", IEEE=0, BM=BM, BN=BN)
                     if name != "fwd":
                         const["RP"] = R
-                    names = fn.arg_names
-                    signature = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
                     t0 = time.time()
-                    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in const.items()})
-                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
-                    with tempfile.TemporaryDirectory() as tmp:
-                        ptx = Path(tmp) / "kernel.ptx"
-                        ptx.write_text(compiled.asm["ptx"])
-                        gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-                        r = subprocess.run([str(ptxas), "-v", f"--gpu-name={gpu}", str(ptx), "-o", os.devnull],
-                                           capture_output=True, text=True)
-                    regs = re.findall(r"Used (\d+) registers", r.stderr)
-                    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+                    registers, spills, cubin_bytes, error = compile_for(fn, pointers, const, arch, warps)
                     row = dict(arch=arch, gate_space=space, kernel=name, tile=(BM, BN, warps),
-                               registers=int(regs[0]) if regs else None,
-                               spills=tuple(int(x) for x in spills[0]) if spills else None,
-                               cubin_bytes=len(compiled.asm["cubin"]), error=None if regs else r.stderr[-300:])
+                               registers=registers, spills=spills, cubin_bytes=cubin_bytes, error=error)
                     rows.append(row)
                     print(f"| sm_{arch} | {space} | {name} | {BM} x {BN}, {warps} | {row['registers']} "
                           f"| {' / '.join(map(str, row['spills'])) if row['spills'] else row['error']} "

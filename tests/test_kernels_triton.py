@@ -1,7 +1,10 @@
-"""kernels_triton.py, asga's own Triton kernels, against the definition
+"""kernels_triton.py's kernels. asga's, against the definition
 (attention.pair_gated_attention): the output and every gradient (q, k, v, the query and key
 terms, w2, b2, the head scale), both gate spaces, GQA, a chunk of queries after a prefix,
 hidden widths that are and are not powers of two, bf16 inputs; the op inside torch.compile.
+nsa's block scores, against kernels.chunked_block_scores (itself held to attention.py's eqs.
+8-9 by tests/test_kernels.py): every eq. 9 geometry the config allows, GQA, a chunk after a
+prefix, bf16 inputs, the blocks chosen from them, and a model on the GPU path.
 
 Without a GPU they run on CPU tensors through Triton's interpreter, which runs the kernels'
 own code program by program: in a child process (this file run as a script), because
@@ -118,6 +121,81 @@ def model_through_the_gpu_path(device):
 DEFAULT_TILES_CASE = (1, 2, 2, 100, 100, 64, 16, 0, 0, "logit", True, "float32")  # qwen-134m's D and r
 
 
+# nsa's block scores: B, H, Hkv, T, D, (l, d, l') = nsa_cmp_block, nsa_cmp_stride, nsa_block, q_start, dtype
+SCORE_CASES = {
+    "the defaults (16, 8, 32), GQA": (2, 4, 2, 77, 16, (16, 8, 32), 0, "float32"),
+    "the paper's (32, 16, 64), a chunk after a prefix": (1, 2, 1, 50, 16, (32, 16, 64), 70, "float32"),
+    "l = d: no overlap (8, 8, 16)": (1, 2, 2, 70, 16, (8, 8, 16), 0, "float32"),
+    "l = l' (16, 4, 16): a key over four blocks' segments": (1, 2, 2, 70, 16, (16, 4, 16), 3, "float32"),
+    "block = stride (8, 8, 8)": (1, 1, 1, 40, 16, (8, 8, 8), 0, "float32"),
+    "bf16 q and keys": (1, 2, 1, 90, 32, (16, 8, 32), 5, "bfloat16"),
+}
+SMALL_SCORE_TILES = (16, 16, 16, 4)
+
+
+def score_inputs(B, H, Hkv, T, D, geometry, q_start, seed=0):
+    length, stride, block = geometry
+    C = max(0, (q_start + T - length) // stride + 1)  # the compressed keys complete by the last query
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, D, generator=g), 2 * torch.randn(B, Hkv, C, D, generator=g), D ** -0.5, q_start,
+            length, stride, block, -(-(q_start + T) // block))
+
+
+def compare_scores(kt, case, device):
+    """(the kernel's largest error relative to the largest score, the largest score, the blocks
+    attention.nsa_top_blocks chooses from each equal?) against kernels.chunked_block_scores on
+    the same (rounded) inputs."""
+    import kernels
+    B, H, Hkv, T, D, geometry, q_start, dtype = case
+    q, k, *rest = score_inputs(B, H, Hkv, T, D, geometry, q_start)
+    q, k = q.to(getattr(torch, dtype)), k.to(getattr(torch, dtype))
+    want = kernels.chunked_block_scores(q, k, *rest)
+    got = kt.nsa_block_scores(q.to(device), k.to(device), *rest).cpu()
+    choose = [attention.nsa_top_blocks(s, q_start, geometry[2], 4, Hkv) for s in (got, want)]
+    return [((got - want).abs().max() / want.abs().max()).item(), want.abs().max().item(),
+            torch.equal(*choose)]
+
+
+def nsa_model_through_the_gpu_path(device):
+    """A 2-layer nsa model with kernel='flex' (its block scores through kernels_triton's kernel:
+    NSA_SCORES_KERNEL=triton in the child, the default on CUDA) against kernel='ref', same
+    weights: (the path kernels.py chose, the loss's difference, the largest gradient error
+    relative to that gradient's largest entry, 0 on a CPU: FlexAttention there has no backward).
+    T = 80 at the cpu preset's sizes (8, 4, 16): 19 compressed keys, 5 blocks, 4 chosen."""
+    import kernels
+    from model import Model, ModelConfig
+    cfg = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, attn="nsa", nsa_cmp_block=8,
+               nsa_cmp_stride=4, nsa_block=16, nsa_topk=4, nsa_window=16)
+    torch.manual_seed(0)
+    ref = Model(ModelConfig(**cfg, kernel="ref")).to(device)
+    gpu_path = Model(ModelConfig(**cfg, kernel="flex")).to(device)
+    gpu_path.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 64, (2, 81), generator=torch.Generator().manual_seed(0)).to(device)
+    losses, grads = [], []
+    for model in (ref, gpu_path):
+        with torch.set_grad_enabled(device != "cpu"):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        if loss.requires_grad:
+            loss.backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        losses.append(loss.item())
+    error = max(((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                for n, g in grads[0].items()) if grads else 0.0
+    return [kernels.block_score_kernels(idx.new_zeros(1, 1, 1, 16, dtype=torch.float32), 8, 4, 16)[0],
+            abs(losses[0] - losses[1]), error]
+
+
+def scores_compiled_equal_eager(kt, device):
+    """The op inside a compiled function (fullgraph: no graph break) gives the eager call's scores."""
+    q, k, *rest = score_inputs(1, 2, 1, 40, 16, (16, 8, 32), 0)
+
+    def f(q, k):
+        return kt.nsa_block_scores(q, k, *rest) * 2
+
+    q, k = q.to(device), k.to(device)
+    return torch.equal(f(q, k), torch.compile(f, fullgraph=True)(q, k))
+
+
 def measure(device):
     import kernels_triton as kt
     default = kt.TILES
@@ -127,8 +205,17 @@ def measure(device):
     kt.TILES = default  # the tiles a GPU runs (64 x 64 forward, 32 x 32 backward), T not a multiple of them
     cases["default tiles, D = 64, r = 16"] = compare(kt, DEFAULT_TILES_CASE, device)
     kt.TILES = SMALL_TILES if device == "cpu" else default
-    return dict(cases=cases, no_key_rows=no_key_rows(kt, device), compiled_equals_eager=compiled_equals_eager(kt, device),
-                model=model_through_the_gpu_path(device))
+    result = dict(cases=cases, no_key_rows=no_key_rows(kt, device), compiled_equals_eager=compiled_equals_eager(kt, device),
+                  model=model_through_the_gpu_path(device))
+    default = kt.SCORE_TILES
+    if device == "cpu":
+        kt.SCORE_TILES = SMALL_SCORE_TILES
+    scores = {name: compare_scores(kt, case, device) for name, case in SCORE_CASES.items()}
+    kt.SCORE_TILES = default  # a GPU's tiles: 32 rows, 16 blocks of 4 keys a tile
+    scores["default tiles, D = 64"] = compare_scores(kt, (1, 2, 1, 200, 64, (16, 8, 32), 0, "float32"), device)
+    kt.SCORE_TILES = SMALL_SCORE_TILES if device == "cpu" else default
+    return dict(result, scores=scores, scores_compiled=scores_compiled_equal_eager(kt, device),
+                nsa_model=nsa_model_through_the_gpu_path(device))
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +226,7 @@ def measured():
     if CUDA:
         return measure("cuda")
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "ASGA_KERNEL": "triton"})
+                       env={**os.environ, "TRITON_INTERPRET": "1", "ASGA_KERNEL": "triton", "NSA_SCORES_KERNEL": "triton"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -183,6 +270,28 @@ def test_a_model_on_the_gpu_path_runs_these_kernels_and_trains_as_the_definition
     assert path == "triton" and loss_diff < 1e-5 and grad_error < 1e-4, measured["model"]
 
 
+@pytest.mark.parametrize("case", list(SCORE_CASES) + ["default tiles, D = 64"])
+def test_nsa_block_scores_equal_the_torch_form(measured, case):
+    """Within 2e-6 of kernels.chunked_block_scores relative to the largest score (measured
+    ~1e-7: the online softmax's and the product's rounding; a dropped overlap term, a block
+    shifted by one or an unnormalised row is off by O(1)), and the same blocks chosen."""
+    error, largest, same_blocks = measured["scores"][case]
+    assert error < 2e-6 and largest > 0.5 and same_blocks, measured["scores"][case]
+
+
+def test_nsa_block_scores_inside_torch_compile(measured):
+    """A compiled block (train.py's) calls the kernel as a custom op, fullgraph, same scores."""
+    assert measured["scores_compiled"]
+
+
+def test_an_nsa_model_on_the_gpu_path_chooses_through_the_kernel_and_trains_as_the_definition(measured):
+    """kernel='flex' hands nsa's block scores to the kernel, and a 2-layer model's loss (and on
+    CUDA its gradients) equal attention.py's as written (a block chosen differently moves the
+    loss by 4e-5 to 2e-4 at this size: blocks shifted by one, rows not normalised)."""
+    path, loss_diff, grad_error = measured["nsa_model"]
+    assert path == "triton" and loss_diff < 1e-5 and grad_error < 1e-4, measured["nsa_model"]
+
+
 def test_the_kernels_compile_for_h100_and_a100_without_spilling():
     """Each kernel at its default tiles (kernels_triton.TILES), both gate spaces, compiles to
     sm_90 and sm_80 cubins (Triton's own compiler and ptxas, no GPU needed) without spilling
@@ -195,6 +304,19 @@ def test_the_kernels_compile_for_h100_and_a100_without_spilling():
     import kernels_triton
     rows = asga_kernel.compile_rows([kernels_triton.TILES])
     assert len(rows) == 12 and all(r["error"] is None and r["cubin_bytes"] > 0 for r in rows), rows
+    assert all(r["spills"] == (0, 0) for r in rows), [r for r in rows if r["spills"] != (0, 0)]
+
+
+def test_nsa_block_scores_compile_for_h100_and_a100_without_spilling():
+    """The block-score kernel at its default tiles (kernels_triton.SCORE_TILES), bf16 and float32
+    inputs, head dims 64 and 128, compiles to sm_90 and sm_80 cubins without spilling (64 x 64
+    tiles at 4 warps spilled 0.4-44 KB with float32 inputs)."""
+    pytest.importorskip("triton", reason="triton is not installed (the CPU wheel of torch comes without it): "
+                                         "pip install -r requirements-dev.txt")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import nsa_scores
+    rows = nsa_scores.compile_rows()
+    assert len(rows) == 8 and all(r["error"] is None and r["cubin_bytes"] > 0 for r in rows), rows
     assert all(r["spills"] == (0, 0) for r in rows), [r for r in rows if r["spills"] != (0, 0)]
 
 

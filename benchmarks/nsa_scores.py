@@ -1,0 +1,123 @@
+"""nsa's block scores ([NSA] eqs. 8-9, what its selection ranks): kernels_triton.block_scores,
+one kernel, against kernels.chunked_block_scores, torch ops a chunk of queries at a time, side
+by side in one run, with the top-n that follows; or, without a GPU, the kernel compiled for
+sm_90 and sm_80 with ptxas's registers and spills.
+
+    python benchmarks/nsa_scores.py                  # on a GPU: ms at T = 4096, 16384
+    python benchmarks/nsa_scores.py --compile        # any machine with triton: sm_90 / sm_80 cubins
+
+qwen-134m's attention (12 heads of 64, no GQA), B = 4, bf16 q and compressed keys as nsa's
+attend hands them over (under autocast), the defaults l, d, l' = 16, 8, 32, n = 8. Each row:
+the scores alone, then scores + the blocks chosen (attention.nsa_top_blocks, torch.topk), and
+the kernel's largest difference from the torch form relative to the largest score.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # asga_kernel's compile_for; after the root (attention.py)
+
+import torch  # noqa: E402
+
+H, D, B = 12, 64, 4
+LENGTH, STRIDE, BLOCK, TOPK = 16, 8, 32, 8
+
+
+def timed(step, runs, device):
+    """(median ms of runs, the first call's s)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(runs):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), first
+
+
+def time_rows(lengths, runs, device, batch):
+    import attention
+    import kernels
+    import kernels_triton
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton's interpreter: the script checked, not timed)"
+    print(f"nsa_scores on {name}, torch {torch.__version__}, B={batch} H={H} D={D}, (l, d, l') = "
+          f"({LENGTH}, {STRIDE}, {BLOCK}), n = {TOPK}, bf16", flush=True)
+    print("\n| T | compressed keys | torch ms | kernel ms | kernel x torch | + top-n: torch ms | kernel ms "
+          "| largest difference / largest score | same blocks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in lengths:
+        C = (T - LENGTH) // STRIDE + 1
+        J = -(-T // BLOCK)
+        g = torch.Generator(device).manual_seed(0)
+        q = torch.randn(batch, H, T, D, generator=g, device=device, dtype=torch.bfloat16)
+        k = torch.randn(batch, H, C, D, generator=g, device=device, dtype=torch.bfloat16)
+        forms = dict(torch=kernels.chunked_block_scores, kernel=kernels_triton.nsa_block_scores)
+        scores = {n: lambda f=f: f(q, k, D ** -0.5, 0, LENGTH, STRIDE, BLOCK, J) for n, f in forms.items()}
+        chosen = {n: lambda s=s: attention.nsa_top_blocks(s(), 0, BLOCK, TOPK, H) for n, s in scores.items()}
+        with torch.no_grad():
+            a, b = scores["torch"](), scores["kernel"]()
+            error = ((a - b).abs().max() / a.abs().max()).item()
+            same = torch.equal(chosen["torch"](), chosen["kernel"]())
+            del a, b
+            ms = {n: timed(f, runs, device)[0] for n, f in scores.items()}
+            ms_n = {n: timed(f, runs, device)[0] for n, f in chosen.items()}
+        print(f"| {T} | {C} | {ms['torch']:.2f} | {ms['kernel']:.2f} | {ms['kernel'] / ms['torch']:.2f} "
+              f"| {ms_n['torch']:.2f} | {ms_n['kernel']:.2f} | {error:.1e} | {same} |", flush=True)
+
+
+def compile_rows(archs=(90, 80)):
+    """The kernel at kernels_triton.SCORE_TILES, bf16 and float32 inputs, head dims 64 and 128
+    (Qwen3-0.6B's), compiled for each arch: (arch, dtype, D, registers, spills) rows."""
+    import triton
+
+    import kernels_triton as kt
+    from asga_kernel import compile_for
+    BM, BN, NB, warps = kt.SCORE_TILES
+    print(f"nsa_scores --compile: triton {triton.__version__}, tiles (rows, keys, blocks, warps) = {kt.SCORE_TILES}, "
+          f"(l, d, l') = ({LENGTH}, {STRIDE}, {BLOCK})", flush=True)
+    print("\n| arch | inputs | D | registers | spill stores / loads, bytes | s |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for arch in archs:
+        for dtype, ieee in (("bf16", 0), ("fp32", 1)):
+            for d in (64, 128):
+                const = dict(LENGTH=LENGTH, STRIDE=STRIDE, PB=BLOCK // STRIDE, COVERS=LENGTH // STRIDE, E=1, D=d,
+                             BM=BM, BN=BN, NB=NB, IEEE=ieee)
+                t0 = time.time()
+                registers, spills, cubin_bytes, error = compile_for(
+                    kt._block_scores_kernel, dict(Q=f"*{dtype}", K=f"*{dtype}", OUT="*fp32", scale="fp32"), const,
+                    arch, warps)
+                rows.append(dict(arch=arch, dtype=dtype, D=d, registers=registers, spills=spills,
+                                 cubin_bytes=cubin_bytes, error=error))
+                print(f"| sm_{arch} | {dtype} | {d} | {registers} | {' / '.join(map(str, spills)) if spills else error} "
+                      f"| {time.time() - t0:.1f} |", flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="4096,16384")
+    p.add_argument("--batch", type=int, default=B)
+    p.add_argument("--compile", action="store_true", help="no GPU needed: compile for sm_90 and sm_80, ptxas's counts")
+    p.add_argument("--runs", type=int, default=10, help="timed calls per row (the median)")
+    args = p.parse_args(argv)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # this script's own check, on CPU tensors
+    if not (args.compile or torch.cuda.is_available() or interpreted):
+        raise SystemExit("nsa_scores.py times CUDA kernels: run it on a GPU, or --compile here")
+    if args.compile:
+        return compile_rows()
+    time_rows([int(t) for t in args.lengths.split(",")], args.runs, "cuda" if torch.cuda.is_available() else "cpu",
+              args.batch)
+
+
+if __name__ == "__main__":
+    main()
