@@ -1168,6 +1168,18 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     return expand_kv(top_blocks(scores, valid, forced, n, select, owned=True), H)
 
 
+class TopBlocks:
+    """nsa's choice as a value: called on block scores (B, H, T, J) from query q_start, it is
+    `nsa_top_blocks`; its sizes (`block`, `n`, `n_kv_head`) let a fast form choose while it
+    scores, the (T, J) scores never stored (kernels.flex_compressed_branch on CUDA)."""
+
+    def __init__(self, block, n, n_kv_head, select=top_n):
+        self.block, self.n, self.n_kv_head, self.select = block, n, n_kv_head, select
+
+    def __call__(self, scores, q_start):
+        return nsa_top_blocks(scores, q_start, self.block, self.n, self.n_kv_head, self.select)
+
+
 class NativeSparseAttention(CausalSelfAttention):
     """`nsa`: Native Sparse Attention ([NSA]; DeepSeek's 27B-MoE runs, not at our scale).
 
@@ -1235,11 +1247,10 @@ class NativeSparseAttention(CausalSelfAttention):
         """K^cmp, V^cmp (B, Hkv, C, D): eq. 7 over the keys and values (start: a multiple of d)."""
         return self.compress(k, "k"), self.compress(v, "v")
 
-    def choose(self, scores, q_start):
-        """(B, H, T, n): eqs. 10-12, the blocks of the queries from q_start, from their block
-        scores (B, H, T, J)."""
-        cfg = self.cfg
-        return nsa_top_blocks(scores, q_start, cfg.nsa_block, cfg.nsa_topk, self.n_kv_head, self.ops(scores).top_n)
+    def choose(self, q):
+        """Eqs. 10-12 on q's path: a `TopBlocks`, called on the block scores (B, H, T, J) of the
+        queries from q_start, gives their blocks (B, H, T, n)."""
+        return TopBlocks(self.cfg.nsa_block, self.cfg.nsa_topk, self.n_kv_head, self.ops(q).top_n)
 
     def branch_gates(self, x):
         """(3, B, H, T, 1): g_t^c = sigmoid(W_g x_t + b_g), branch-major: the 3 H outputs of W_g
@@ -1252,7 +1263,7 @@ class NativeSparseAttention(CausalSelfAttention):
         k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary  # eq. 7
         out = {}  # eqs. 8-12: one p^cmp weighs V^cmp (the cmp branch) and scores the blocks
         out["cmp"], blocks = op.compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
-                                                  cfg.nsa_cmp_stride, cfg.nsa_block, self.choose)
+                                                  cfg.nsa_cmp_stride, cfg.nsa_block, self.choose(q))
         if "slc" in self.branches:
             out["slc"] = op.block_attention(q, k, v, self.scale, q_start, k_start, cfg.nsa_block, blocks)
         if "win" in self.branches:
@@ -1279,7 +1290,7 @@ class NativeSparseAttention(CausalSelfAttention):
         k_cmp, v_cmp = self.summarise(q, k, v, x, k_start) if summary is None else summary
         with torch.no_grad():  # the blocks `attend` chose, from the same stage on the same inputs
             blocks = self.ops(q).compressed_branch(q, k_cmp, v_cmp, self.scale, q_start, cfg.nsa_cmp_block,
-                                                   cfg.nsa_cmp_stride, cfg.nsa_block, self.choose)[1]
+                                                   cfg.nsa_cmp_stride, cfg.nsa_block, self.choose(q))[1]
         g = self.branch_gates(x)
         for i, name in enumerate(self.BRANCHES):
             self.note(f"gate_{name}", g[i, ..., 0].transpose(1, 2))  # (B, T, H)

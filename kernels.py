@@ -1923,21 +1923,25 @@ def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
 
 
 def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
-    """attention.compressed_branch: the output through `flex_compressed_attention`, the block
-    scores apart (FlexAttention returns an output, not the probabilities): on CUDA through
-    kernels_triton.block_scores, one kernel that keeps p^cmp a tile at a time in registers,
-    elsewhere through `chunked_block_scores`, a chunk of queries at a time; then `choose` over
-    all queries at once."""
+    """attention.compressed_branch: the output through `flex_compressed_attention`, the blocks
+    apart (FlexAttention returns an output, not the probabilities). On CUDA through
+    kernels_triton.py, p^cmp a tile at a time in registers: for nsa's own choice (an
+    attention.TopBlocks, n <= 16) one kernel scores and chooses, the (T, J) scores never
+    stored; for any other `choose` one kernel writes the scores. Elsewhere the scores come
+    from `chunked_block_scores`, a chunk of queries at a time. Then `choose` over all queries."""
     out = flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)
     if choose is None:
         return out, None
     J = ceil_div(q_start + q.shape[2], block)
     if block_score_kernels(q, length, stride, block)[0] == "triton":
         import kernels_triton
-        scores = kernels_triton.nsa_block_scores(q.detach(), k_cmp.detach(), scale, q_start, length, stride, block, J)
-    else:
-        scores = chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J)
-    return out, choose(scores, q_start)
+        q_, k_ = q.detach(), k_cmp.detach()
+        n = getattr(choose, "n", None)  # nsa's own choice (attention.TopBlocks) says its sizes
+        if isinstance(n, int) and n <= kernels_triton.SCORE_TILES[2] and k_cmp.shape[2]:
+            blocks = kernels_triton.nsa_top_blocks(q_, k_, scale, q_start, length, stride, block, J, n)
+            return out, expand_kv(blocks, q.shape[1])
+        return out, choose(kernels_triton.nsa_block_scores(q_, k_, scale, q_start, length, stride, block, J), q_start)
+    return out, choose(chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J), q_start)
 
 
 NSA_SCORES_KERNEL = os.environ.get("NSA_SCORES_KERNEL", "auto")  # auto (triton on CUDA) | triton | torch
@@ -1946,8 +1950,8 @@ if NSA_SCORES_KERNEL not in ("auto", "triton", "torch"):
 
 
 def block_score_kernels(q, length, stride, block):
-    """('triton' or 'torch', why): the path of nsa's block scores on FLEX; said once per answer,
-    outside a compile."""
+    """('triton' or 'torch', why): the path of nsa's selection (its block scores, and its choice
+    where fused) on FLEX; said once per answer, outside a compile."""
     why = "NSA_SCORES_KERNEL=torch"
     if NSA_SCORES_KERNEL == "triton" or (NSA_SCORES_KERNEL == "auto" and q.is_cuda):
         try:
@@ -1956,10 +1960,10 @@ def block_score_kernels(q, length, stride, block):
         except ImportError as e:
             why = f"triton not importable ({e})"
         if why is None:
-            return _say_once("nsa's block scores", "triton", "kernels_triton.block_scores, p^cmp never in memory")
+            return _say_once("nsa's selection", "triton", "kernels_triton.py, p^cmp never in memory")
     elif NSA_SCORES_KERNEL == "auto":
         why = "not a CUDA tensor"
-    return _say_once("nsa's block scores", "torch", why)
+    return _say_once("nsa's selection", "torch", why)
 
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger

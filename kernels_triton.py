@@ -24,9 +24,10 @@ Backward, with dM = P (dP - rowsum(dO * out)):
   dqt_c = sum_j dz w2_c GELU'(x_c), dkt_c = sum_i (same), dw2_c = sum_ij dz GELU(x_c),
   dscale = sum_ij da q.k; dq, dk from da * scale, dv from P, as in any attention.
 
-nsa's block scores ([NSA] eqs. 8-9, what its selection ranks): `block_scores` at the end of
-this file, forward only, the compressed attention's probabilities a tile at a time in
-registers where the torch form (kernels.chunked_block_scores) writes them to memory.
+nsa's selection ([NSA] eqs. 8-12): `block_scores` and `top_blocks` at the end of this file,
+forward only, the compressed attention's probabilities a tile at a time in registers where
+the torch form (kernels.chunked_block_scores) writes them to memory; `top_blocks` chooses
+the blocks in the same pass, the (T, J) block scores never stored.
 
 Imported only where it runs: a CUDA tensor (kernels.flex_pair_gated_attention,
 kernels.flex_compressed_branch), or Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
@@ -394,9 +395,17 @@ def unsupported(q):
 #
 # PB = block / stride keys start in each block, and a block's score also takes the covers - 1
 # keys before its first (covers = length / stride <= PB): each tile starts one block early
-# (E = 1 when covers > 1) and stores its last NB - E blocks only. Rows that see no key score 0.
-# Like NSA's own kernels and fla's (which sort the scores in the same kernel), the scores never
-# exist as (T, C); the top-n stays a torch.topk over (T, J).
+# (E = 1 when covers > 1) and keeps its last NB - E blocks only. Rows that see no key score 0.
+#
+#   choice   (`top_blocks`, nsa's own eqs. 10-12) one program per (query block, key head) sums
+#            its G query heads' tile scores, forces and masks as attention.nsa_top_blocks does,
+#            and keeps a running top-16 of attention.top_n's int64 keys (score bits, then the
+#            index: the same tie rule), merged with each tile's 16 by tl.topk: the (T, J) scores
+#            are never stored, and no torch.topk runs over them (moba's, over its block
+#            scores, was the largest kernel of its step at T = 16384 on an H200)
+#
+# Like NSA's own kernels and fla's (which sort the scores in the same kernel), the probabilities
+# never exist as (T, C).
 # (query rows, keys in pass 1, blocks in pass 2, warps): of the shapes tried, the one that spills
 # nothing on sm_90 and sm_80 with bf16 and float32 inputs at D = 64 and 128 (76-169 registers;
 # 64 x 64 at 4 warps spilled 0.4-44 KB with float32 inputs, 64 x 32 at 8 warps 28 bytes on
@@ -405,50 +414,137 @@ SCORE_TILES = (32, 32, 16, 8)
 
 
 @triton.jit
-def _block_scores_kernel(Q, K, OUT, T, C, J, H, HKV, q_start, scale, LENGTH: tl.constexpr, STRIDE: tl.constexpr,
-                         PB: tl.constexpr, COVERS: tl.constexpr, E: tl.constexpr, D: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    kh = ((bh // H) * HKV + (bh % H) // (H // HKV)).to(tl.int64)  # the key head of this query head
-    bh = bh.to(tl.int64)  # (B H T J) outgrows int32 at batch 16, T = 32768
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + (bh * T + offs_m[:, None]) * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
-    pos = q_start + offs_m
-    # compressed key i is complete once i STRIDE + LENGTH - 1 <= pos: the block's last row sees n_end
-    last = q_start + tl.minimum(pid_m * BM + BM, T) - 1
-    n_end = tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
+def _seen(offs, pos, C, LENGTH: tl.constexpr, STRIDE: tl.constexpr):
+    """(rows, keys): compressed key offs exists and is complete by the row's position pos."""
+    return (offs[None, :] >= 0) & (offs[None, :] < C) & (offs[None, :] * STRIDE + LENGTH - 1 <= pos[:, None])
 
+
+@triton.jit
+def _rows(bh, pid_m, T, q_start, BM: tl.constexpr):
+    """The block's rows, their positions, and n_end: the compressed keys its last row sees (key
+    i is complete once i STRIDE + LENGTH - 1 <= pos)."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    last = q_start + tl.minimum(pid_m * BM + BM, T) - 1
+    return offs_m, q_start + offs_m, last
+
+
+@triton.jit
+def _softmax_stats(q, K, kh, C, pos, n_end, scale, LENGTH: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """Pass 1: each row's max m and 1 / sum of exp(s - m) over the compressed keys it sees (0
+    for a row that sees none)."""
+    offs_d = tl.arange(0, D)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     for n0 in range(0, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
         k = tl.load(K + (kh * C + offs_n[:, None]) * D + offs_d[None, :], mask=offs_n[:, None] < C, other=0.0)
-        seen = (offs_n[None, :] < C) & (offs_n[None, :] * STRIDE + LENGTH - 1 <= pos[:, None])
-        s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+        s = tl.where(_seen(offs_n, pos, C, LENGTH, STRIDE), _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
         m = m_new
-    m = tl.where(m == float("-inf"), 0.0, m)
-    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
+    return tl.where(m == float("-inf"), 0.0, m), tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
 
-    # W[i, j]: the segments key i (segments i .. i + COVERS - 1) shares with block j (j PB .. j PB + PB - 1)
+
+@triton.jit
+def _overlaps(COVERS: tl.constexpr, PB: tl.constexpr, NB: tl.constexpr):
+    """W (NB PB, NB): the stride-segments compressed key i (segments i .. i + COVERS - 1) shares
+    with block j (j PB .. j PB + PB - 1), tile-relative: eq. 9's weights."""
     ki = tl.arange(0, NB * PB)[:, None]
     kj = tl.arange(0, NB)[None, :] * PB
-    W = tl.maximum(tl.minimum(ki + COVERS - 1, kj + PB - 1) - tl.maximum(ki, kj) + 1, 0).to(tl.float32)
-    # the blocks a key the block's queries see reaches: the last seen key's last segment
-    jb_end = tl.minimum(J, (n_end + COVERS - 2) // PB + 1)
-    for jb in range(0, jb_end, NB - E):
-        offs_k = (jb - E) * PB + tl.arange(0, NB * PB)
-        k = tl.load(K + (kh * C + offs_k[:, None]) * D + offs_d[None, :],
-                    mask=(offs_k[:, None] >= 0) & (offs_k[:, None] < C), other=0.0)
-        seen = (offs_k[None, :] >= 0) & (offs_k[None, :] < C) & (offs_k[None, :] * STRIDE + LENGTH - 1 <= pos[:, None])
-        p = tl.where(seen, tl.exp(_dot(q, tl.trans(k), IEEE) * scale - m[:, None]) * inv_l[:, None], 0.0)
-        acc = tl.dot(p, W, input_precision="ieee")  # (BM, NB): float32 throughout
+    return tl.maximum(tl.minimum(ki + COVERS - 1, kj + PB - 1) - tl.maximum(ki, kj) + 1, 0).to(tl.float32)
+
+
+@triton.jit
+def _tile_scores(q, K, kh, C, pos, m, inv_l, W, j0, scale, LENGTH: tl.constexpr, STRIDE: tl.constexpr,
+                 PB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    """Pass 2, one tile: (BM, NB) scores of the blocks j0 .. j0 + NB - 1 from their NB PB keys,
+    p = exp(s - m) / l recomputed; the first block of a tile lacks the keys before its own."""
+    offs_d = tl.arange(0, D)
+    offs_k = j0 * PB + tl.arange(0, NB * PB)
+    k = tl.load(K + (kh * C + offs_k[:, None]) * D + offs_d[None, :],
+                mask=(offs_k[:, None] >= 0) & (offs_k[:, None] < C), other=0.0)
+    s = _dot(q, tl.trans(k), IEEE) * scale
+    p = tl.where(_seen(offs_k, pos, C, LENGTH, STRIDE), tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
+    return tl.dot(p, W, input_precision="ieee")  # float32 throughout
+
+
+@triton.jit
+def _block_scores_kernel(Q, K, OUT, T, C, J, H, HKV, q_start, scale, LENGTH: tl.constexpr, STRIDE: tl.constexpr,
+                         PB: tl.constexpr, COVERS: tl.constexpr, E: tl.constexpr, D: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    """One program per (query block, head): the (BM, J) block scores, stored."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kh = ((bh // H) * HKV + (bh % H) // (H // HKV)).to(tl.int64)  # the key head of this query head
+    bh = bh.to(tl.int64)  # (B H T J) outgrows int32 at batch 16, T = 32768
+    offs_m, pos, last = _rows(bh, pid_m, T, q_start, BM)
+    n_end = tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
+    q = tl.load(Q + (bh * T + offs_m[:, None]) * D + tl.arange(0, D)[None, :], mask=offs_m[:, None] < T, other=0.0)
+    m, inv_l = _softmax_stats(q, K, kh, C, pos, n_end, scale, LENGTH, STRIDE, D, BM, BN, IEEE)
+    W = _overlaps(COVERS, PB, NB)
+    jb_end = tl.minimum(J, (n_end + COVERS - 2) // PB + 1)  # the blocks the last seen key reaches
+    for jb in range(0, jb_end, NB - E):  # each tile starts E blocks early and keeps its last NB - E
+        acc = _tile_scores(q, K, kh, C, pos, m, inv_l, W, jb - E, scale, LENGTH, STRIDE, PB, D, NB, IEEE)
         offs_j = jb - E + tl.arange(0, NB)
         keep = (tl.arange(0, NB)[None, :] >= E) & (offs_j[None, :] < J) & (offs_m[:, None] < T)
         tl.store(OUT + (bh * T + offs_m[:, None]) * J + offs_j[None, :], acc, mask=keep)
+
+
+@triton.jit
+def _order_key(score, index):
+    """attention.top_n's key, int64: a float32's bits as an int32 (negative ones' magnitude bits
+    flipped: the int orders as the float), times 2^32, plus the index (ties: the higher index)."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # -0.0 made 0.0: the two are equal
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | index.to(tl.int64)
+
+
+@triton.jit
+def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH: tl.constexpr,
+                       STRIDE: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, COVERS: tl.constexpr,
+                       E: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """One program per (query block, key head): attention.nsa_top_blocks over the scores, never
+    stored. Eq. 10 sums the key head's G query heads' scores; block 0, the row's own and the
+    one before are forced (+inf), blocks after its own invalid (-inf); a running top-NB of
+    attention.top_n's keys, merged with each tile's by tl.topk. STATS (2, B H T): each query
+    head's pass-1 m and 1 / l, kept for its pass 2."""
+    pid_m, bk = tl.program_id(0), tl.program_id(1)
+    G = H // HKV
+    bk = bk.to(tl.int64)
+    offs_m, pos, last = _rows(bk, pid_m, T, q_start, BM)
+    n_end = tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
+    offs_d = tl.arange(0, D)
+    first_head = (bk // HKV) * H + (bk % HKV) * G  # the key head's first query head, b H + h
+    for g in range(0, G):
+        rows = (first_head + g) * T + offs_m
+        q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+        m, inv_l = _softmax_stats(q, K, bk, C, pos, n_end, scale, LENGTH, STRIDE, D, BM, BN, IEEE)
+        tl.store(STATS + rows, m, mask=offs_m < T)
+        tl.store(STATS + tl.num_programs(1) * G * T + rows, inv_l, mask=offs_m < T)
+    W = _overlaps(COVERS, PB, NB)
+    own = pos // BLOCK
+    empty = _order_key(tl.full([BM, NB], float("-inf"), tl.float32), tl.zeros([BM, NB], tl.int32))  # a -inf slot
+    best = empty
+    jv_end = tl.minimum(J, last // BLOCK + 1)  # every valid block: the forced own ones too
+    for jb in range(0, jv_end, NB - E):
+        acc = tl.zeros([BM, NB], tl.float32)
+        for g in range(0, G):
+            rows = (first_head + g) * T + offs_m
+            q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+            m = tl.load(STATS + rows, mask=offs_m < T, other=0.0)
+            inv_l = tl.load(STATS + tl.num_programs(1) * G * T + rows, mask=offs_m < T, other=0.0)
+            acc += _tile_scores(q, K, bk, C, pos, m, inv_l, W, jb - E, scale, LENGTH, STRIDE, PB, D, NB, IEEE)
+        offs_j = jb - E + tl.arange(0, NB)
+        valid = (tl.arange(0, NB)[None, :] >= E) & (offs_j[None, :] <= own[:, None]) & (offs_j[None, :] < J)
+        forced = valid & ((offs_j[None, :] == 0) | (offs_j[None, :] == own[:, None]) |
+                          (offs_j[None, :] == own[:, None] - 1))
+        score = tl.where(forced, float("inf"), tl.where(valid, acc, float("-inf")))
+        key = _order_key(score, tl.maximum(offs_j, 0)[None, :] + tl.zeros([BM, NB], tl.int32))
+        best = tl.topk(tl.reshape(tl.join(best, key), [BM, 2 * NB]), NB)
+    index = tl.where((best >> 32) == (empty >> 32), -1, best & 0xFFFFFFFF)
+    tl.store(OUT + (bk * T + offs_m[:, None]) * NB + tl.arange(0, NB)[None, :], index, mask=offs_m[:, None] < T)
 
 
 def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
@@ -468,6 +564,23 @@ def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
     return out
 
 
+def top_blocks(q, k_cmp, scale, q_start, length, stride, block, J, n):
+    """attention.nsa_top_blocks(block_scores(...), q_start, block, n, Hkv): (B, Hkv, T, n) long,
+    each key head's chosen blocks, highest first, -1 where fewer than n are valid; the scores
+    exist one (BM, NB) tile at a time. n <= NB (SCORE_TILES)."""
+    B, H, T, D = q.shape
+    Hkv, C = k_cmp.shape[1], k_cmp.shape[2]
+    covers, per_block = length // stride, block // stride
+    BM, BN, NB, warps = SCORE_TILES
+    out = torch.empty(B, Hkv, T, NB, device=q.device, dtype=torch.int64)
+    stats = torch.empty(2, B * H * T, device=q.device, dtype=torch.float32)
+    _top_blocks_kernel[(triton.cdiv(T, BM), B * Hkv)](
+        q.contiguous(), k_cmp.contiguous(), stats, out, T, C, J, H, Hkv, q_start, float(scale),
+        LENGTH=length, STRIDE=stride, BLOCK=block, PB=per_block, COVERS=covers, E=int(covers > 1), D=D,
+        BM=BM, BN=BN, NB=NB, IEEE=_precision(q.dtype), num_warps=warps)
+    return out[..., :n]
+
+
 @torch.library.custom_op("attention_gym_lm::nsa_block_scores", mutates_args=())
 def _block_scores_op(q: torch.Tensor, k_cmp: torch.Tensor, scale: float, q_start: int, length: int, stride: int,
                      block: int, J: int) -> torch.Tensor:
@@ -477,6 +590,22 @@ def _block_scores_op(q: torch.Tensor, k_cmp: torch.Tensor, scale: float, q_start
 @_block_scores_op.register_fake
 def _(q, k_cmp, scale, q_start, length, stride, block, J):
     return q.new_empty(*q.shape[:3], J, dtype=torch.float32)
+
+
+@torch.library.custom_op("attention_gym_lm::nsa_top_blocks", mutates_args=())
+def _top_blocks_op(q: torch.Tensor, k_cmp: torch.Tensor, scale: float, q_start: int, length: int, stride: int,
+                   block: int, J: int, n: int) -> torch.Tensor:
+    return top_blocks(q, k_cmp, scale, q_start, length, stride, block, J, n).contiguous()
+
+
+@_top_blocks_op.register_fake
+def _(q, k_cmp, scale, q_start, length, stride, block, J, n):
+    return q.new_empty(q.shape[0], k_cmp.shape[1], q.shape[2], n, dtype=torch.int64)
+
+
+def nsa_top_blocks(q, k_cmp, scale, q_start, length, stride, block, J, n):
+    """`top_blocks` as a custom op: a compiled block calls the kernel as it is."""
+    return _top_blocks_op(q, k_cmp, float(scale), int(q_start), int(length), int(stride), int(block), int(J), int(n))
 
 
 def nsa_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):

@@ -1,15 +1,17 @@
-"""nsa's block scores ([NSA] eqs. 8-9, what its selection ranks): kernels_triton.block_scores,
-one kernel, against kernels.chunked_block_scores, torch ops a chunk of queries at a time, side
-by side in one run, with the top-n that follows; or, without a GPU, the kernel compiled for
-sm_90 and sm_80 with ptxas's registers and spills.
+"""nsa's selection ([NSA] eqs. 8-12) on a GPU: its block scores through kernels_triton.block_scores
+(one kernel) against kernels.chunked_block_scores (torch ops a chunk of queries at a time), and
+the blocks chosen from each, against kernels_triton.top_blocks, which scores and chooses in one
+kernel (what nsa runs on CUDA), side by side in one run; or, without a GPU, both kernels compiled
+for sm_90 and sm_80 with ptxas's registers and spills.
 
     python benchmarks/nsa_scores.py                  # on a GPU: ms at T = 4096, 16384
     python benchmarks/nsa_scores.py --compile        # any machine with triton: sm_90 / sm_80 cubins
 
 qwen-134m's attention (12 heads of 64, no GQA), B = 4, bf16 q and compressed keys as nsa's
 attend hands them over (under autocast), the defaults l, d, l' = 16, 8, 32, n = 8. Each row:
-the scores alone, then scores + the blocks chosen (attention.nsa_top_blocks, torch.topk), and
-the kernel's largest difference from the torch form relative to the largest score.
+the scores alone, then the chosen blocks (attention.nsa_top_blocks: torch.topk over the
+scores; or the fused kernel), the scores kernel's largest difference from the torch form
+relative to the largest score, and whether all three choose the same blocks.
 """
 import argparse
 import os
@@ -51,32 +53,35 @@ def time_rows(lengths, runs, device, batch):
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton's interpreter: the script checked, not timed)"
     print(f"nsa_scores on {name}, torch {torch.__version__}, B={batch} H={H} D={D}, (l, d, l') = "
           f"({LENGTH}, {STRIDE}, {BLOCK}), n = {TOPK}, bf16", flush=True)
-    print("\n| T | compressed keys | torch ms | kernel ms | kernel x torch | + top-n: torch ms | kernel ms "
-          "| largest difference / largest score | same blocks |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| T | compressed keys | scores: torch ms | kernel ms | kernel x torch | chosen blocks: torch ms "
+          "| scores kernel + torch.topk ms | fused kernel ms | fused x torch | largest score difference | same blocks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for T in lengths:
         C = (T - LENGTH) // STRIDE + 1
         J = -(-T // BLOCK)
         g = torch.Generator(device).manual_seed(0)
         q = torch.randn(batch, H, T, D, generator=g, device=device, dtype=torch.bfloat16)
         k = torch.randn(batch, H, C, D, generator=g, device=device, dtype=torch.bfloat16)
-        forms = dict(torch=kernels.chunked_block_scores, kernel=kernels_triton.nsa_block_scores)
-        scores = {n: lambda f=f: f(q, k, D ** -0.5, 0, LENGTH, STRIDE, BLOCK, J) for n, f in forms.items()}
+        args = (q, k, D ** -0.5, 0, LENGTH, STRIDE, BLOCK, J)
+        scores = dict(torch=lambda: kernels.chunked_block_scores(*args), kernel=lambda: kernels_triton.nsa_block_scores(*args))
         chosen = {n: lambda s=s: attention.nsa_top_blocks(s(), 0, BLOCK, TOPK, H) for n, s in scores.items()}
+        chosen["fused"] = lambda: kernels_triton.nsa_top_blocks(*args, TOPK)
         with torch.no_grad():
             a, b = scores["torch"](), scores["kernel"]()
             error = ((a - b).abs().max() / a.abs().max()).item()
-            same = torch.equal(chosen["torch"](), chosen["kernel"]())
             del a, b
+            same = torch.equal(chosen["torch"](), chosen["fused"]()) and torch.equal(chosen["torch"](), chosen["kernel"]())
             ms = {n: timed(f, runs, device)[0] for n, f in scores.items()}
             ms_n = {n: timed(f, runs, device)[0] for n, f in chosen.items()}
         print(f"| {T} | {C} | {ms['torch']:.2f} | {ms['kernel']:.2f} | {ms['kernel'] / ms['torch']:.2f} "
-              f"| {ms_n['torch']:.2f} | {ms_n['kernel']:.2f} | {error:.1e} | {same} |", flush=True)
+              f"| {ms_n['torch']:.2f} | {ms_n['kernel']:.2f} | {ms_n['fused']:.2f} | {ms_n['fused'] / ms_n['torch']:.2f} "
+              f"| {error:.1e} | {same} |", flush=True)
 
 
 def compile_rows(archs=(90, 80)):
-    """The kernel at kernels_triton.SCORE_TILES, bf16 and float32 inputs, head dims 64 and 128
-    (Qwen3-0.6B's), compiled for each arch: (arch, dtype, D, registers, spills) rows."""
+    """nsa's two kernels (scores; scores and choice) at kernels_triton.SCORE_TILES, bf16 and
+    float32 inputs, head dims 64 and 128 (Qwen3-0.6B's), compiled for each arch: (arch, kernel,
+    dtype, D, registers, spills) rows."""
     import triton
 
     import kernels_triton as kt
@@ -84,22 +89,24 @@ def compile_rows(archs=(90, 80)):
     BM, BN, NB, warps = kt.SCORE_TILES
     print(f"nsa_scores --compile: triton {triton.__version__}, tiles (rows, keys, blocks, warps) = {kt.SCORE_TILES}, "
           f"(l, d, l') = ({LENGTH}, {STRIDE}, {BLOCK})", flush=True)
-    print("\n| arch | inputs | D | registers | spill stores / loads, bytes | s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| arch | kernel | inputs | D | registers | spill stores / loads, bytes | s |")
+    print("|---|---|---|---|---|---|---|")
+    kernels = dict(scores=(kt._block_scores_kernel, dict(OUT="*fp32"), {}),
+                   choice=(kt._top_blocks_kernel, dict(STATS="*fp32", OUT="*i64"), dict(BLOCK=BLOCK)))
     rows = []
     for arch in archs:
-        for dtype, ieee in (("bf16", 0), ("fp32", 1)):
-            for d in (64, 128):
-                const = dict(LENGTH=LENGTH, STRIDE=STRIDE, PB=BLOCK // STRIDE, COVERS=LENGTH // STRIDE, E=1, D=d,
-                             BM=BM, BN=BN, NB=NB, IEEE=ieee)
-                t0 = time.time()
-                registers, spills, cubin_bytes, error = compile_for(
-                    kt._block_scores_kernel, dict(Q=f"*{dtype}", K=f"*{dtype}", OUT="*fp32", scale="fp32"), const,
-                    arch, warps)
-                rows.append(dict(arch=arch, dtype=dtype, D=d, registers=registers, spills=spills,
-                                 cubin_bytes=cubin_bytes, error=error))
-                print(f"| sm_{arch} | {dtype} | {d} | {registers} | {' / '.join(map(str, spills)) if spills else error} "
-                      f"| {time.time() - t0:.1f} |", flush=True)
+        for name, (fn, pointers, extra) in kernels.items():
+            for dtype, ieee in (("bf16", 0), ("fp32", 1)):
+                for d in (64, 128):
+                    const = dict(LENGTH=LENGTH, STRIDE=STRIDE, PB=BLOCK // STRIDE, COVERS=LENGTH // STRIDE, E=1, D=d,
+                                 BM=BM, BN=BN, NB=NB, IEEE=ieee, **extra)
+                    t0 = time.time()
+                    registers, spills, cubin_bytes, error = compile_for(
+                        fn, dict(pointers, Q=f"*{dtype}", K=f"*{dtype}", scale="fp32"), const, arch, warps)
+                    rows.append(dict(arch=arch, kernel=name, dtype=dtype, D=d, registers=registers, spills=spills,
+                                     cubin_bytes=cubin_bytes, error=error))
+                    print(f"| sm_{arch} | {name} | {dtype} | {d} | {registers} "
+                          f"| {' / '.join(map(str, spills)) if spills else error} | {time.time() - t0:.1f} |", flush=True)
     return rows
 
 
