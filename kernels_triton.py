@@ -523,6 +523,7 @@ def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH
         m, inv_l = _softmax_stats(q, K, bk, C, pos, n_end, scale, LENGTH, STRIDE, D, BM, BN, IEEE)
         tl.store(STATS + rows, m, mask=offs_m < T)
         tl.store(STATS + tl.num_programs(1) * G * T + rows, inv_l, mask=offs_m < T)
+    tl.debug_barrier()  # the statistics' stores seen by every thread of the program before they are read back
     W = _overlaps(COVERS, PB, NB)
     own = pos // BLOCK
     empty = _order_key(tl.full([BM, NB], float("-inf"), tl.float32), tl.zeros([BM, NB], tl.int32))  # a -inf slot
