@@ -1168,18 +1168,6 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     return expand_kv(top_blocks(scores, valid, forced, n, select, owned=True), H)
 
 
-class TopBlocks:
-    """nsa's choice as a value: called on block scores (B, H, T, J) from query q_start, it is
-    `nsa_top_blocks`; its sizes (`block`, `n`, `n_kv_head`) let a fast form choose while it
-    scores, the (T, J) scores never stored (kernels.flex_compressed_branch on CUDA)."""
-
-    def __init__(self, block, n, n_kv_head, select=top_n):
-        self.block, self.n, self.n_kv_head, self.select = block, n, n_kv_head, select
-
-    def __call__(self, scores, q_start):
-        return nsa_top_blocks(scores, q_start, self.block, self.n, self.n_kv_head, self.select)
-
-
 class NativeSparseAttention(CausalSelfAttention):
     """`nsa`: Native Sparse Attention ([NSA]; DeepSeek's 27B-MoE runs, not at our scale).
 
@@ -1248,9 +1236,10 @@ class NativeSparseAttention(CausalSelfAttention):
         return self.compress(k, "k"), self.compress(v, "v")
 
     def choose(self, q):
-        """Eqs. 10-12 on q's path: a `TopBlocks`, called on the block scores (B, H, T, J) of the
-        queries from q_start, gives their blocks (B, H, T, n)."""
-        return TopBlocks(self.cfg.nsa_block, self.cfg.nsa_topk, self.n_kv_head, self.ops(q).top_n)
+        """Eqs. 10-12 on q's path: `nsa_top_blocks` with its sizes as keywords (a fast form may
+        choose while it scores), called on block scores (B, H, T, J) and q_start."""
+        return functools.partial(nsa_top_blocks, block=self.cfg.nsa_block, n=self.cfg.nsa_topk,
+                                 n_kv_head=self.n_kv_head, select=self.ops(q).top_n)
 
     def branch_gates(self, x):
         """(3, B, H, T, 1): g_t^c = sigmoid(W_g x_t + b_g), branch-major: the 3 H outputs of W_g
@@ -1412,7 +1401,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
     def attend(self, q, k, v, x, q_start, k_start, summary=None):
         cfg = self.cfg
         means = self.summarise(q, k, v, x, k_start) if summary is None else summary
-        blocks = moba_select(q, means, q_start, cfg.moba_block, cfg.moba_topk, self.ops(q).top_n)  # (B, H, T, k)
+        blocks = self.ops(q).moba_select(q, means, q_start, cfg.moba_block, cfg.moba_topk)  # (B, H, T, k)
         return self.ops(q).block_attention(q, k, v, self.scale, q_start, k_start, cfg.moba_block, blocks)
 
     # -- not the method (skip it): what the plan, FLOP count, budget check, KV cache, conversion, analysis read
@@ -1426,7 +1415,7 @@ class MixtureOfBlockAttention(CausalSelfAttention):
 
     def observe(self, q, k, v, x, q_start, k_start, summary):
         means = self.summarise(q, k, v, x, k_start) if summary is None else summary
-        blocks = moba_select(q, means, q_start, self.cfg.moba_block, self.cfg.moba_topk, self.ops(q).top_n)
+        blocks = self.ops(q).moba_select(q, means, q_start, self.cfg.moba_block, self.cfg.moba_topk)
         self.note("selection", blocks)
         self.note("selected_distance", lambda: block_distance(blocks, q_start, self.cfg.moba_block))
 
@@ -1797,7 +1786,8 @@ REFERENCE = kernels.Ops(
     name="reference (attention.py, dense)", attention=attention, pair_gated_attention=pair_gated_attention,
     topk_attention=topk_attention, combiner_attention=combiner_attention, block_attention=block_attention,
     selected_attention=selected_attention, compressed_branch=compressed_branch,
-    indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate, top_n=top_n)
+    indexer_topk=indexer_topk, indexer_kl=indexer_kl, mean_pair_gate=mean_pair_gate, top_n=top_n,
+    moba_select=moba_select)
 
 
 def ops(kernel, device, rows=None):

@@ -100,7 +100,8 @@ a backward (tiles 128 x 128: sm_90's bf16 backward has no kernel for a smaller k
 run DECODE, which gathers their blocks from the cache (`decode_block_attention`).
 FLEX's compressed branch (nsa): one FlexAttention call over the C compressed keys, its
 BlockMask cached per shape (the keys read plus a band of boundary tiles: 1.26x at T = 4096,
-1.06x at 16384). Combiner's BlockMask leaves 2.3x / 2.0x the keys its definition reads (own
+1.06x at 16384); its block scores and choice, on CUDA, one Triton kernel
+(kernels_triton.top_blocks: neither p^cmp nor the block scores in memory). Combiner's BlockMask leaves 2.3x / 2.0x the keys its definition reads (own
 block up to the query, one summary per earlier block), 1.35x / 1.19x without the band.
 
 Both need the queries to be the last keys (q_start + T == k_start + S), as in every forward
@@ -170,7 +171,7 @@ NEG_INF = float("-inf")
 # a variant that need a fast form (attention.py defines each; its docstring says what it computes).
 Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention combiner_attention block_attention "
                        "selected_attention compressed_branch indexer_topk indexer_kl mean_pair_gate "
-                       "top_n")
+                       "top_n moba_select")
 
 
 def expand_kv(k_BHSD, n_head):
@@ -1568,13 +1569,28 @@ def chunked_mean_pair_gate(q_term, k_term, w2, b2, q_start, k_start):
     return torch.cat(out, 2).transpose(1, 2)  # (B, T, H)
 
 
+def moba_select(q, means, q_start, block, topk, select=None):
+    """attention.moba_select ([MoBA] eqs. 5-6) with this file's helpers and a path's top-n
+    (`select`, an Ops' top_n): the (B, H, T, J) scores q . K_bar in float32, the own block
+    forced, the earlier ones ranked."""
+    B, H, T, D = q.shape
+    J = ceil_div(q_start + T, block)
+    scores = (_head_rows(q.detach().float(), means.shape[1]) @ means.detach().float().transpose(-2, -1))
+    scores = F.pad(scores.view(B, H, T, means.shape[2]), (0, J - means.shape[2]))  # the incomplete block: forced only
+    own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block
+    j = torch.arange(J, device=q.device)
+    fill = torch.where(j == own, float("inf"), NEG_INF).to(scores.dtype)
+    return select(torch.where(j < own, scores, fill, out=scores), topk)
+
+
 BLOCKWISE = Ops(
     name="blockwise (kernels.py, CPU loops, float32)", attention=blockwise_attention,
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
     combiner_attention=blockwise_combiner_attention, block_attention=blockwise_block_attention,
     selected_attention=blockwise_selected_attention, compressed_branch=blockwise_compressed_branch,
     indexer_topk=functools.partial(chunked_indexer_topk, narrow=True), indexer_kl=chunked_indexer_kl,
-    mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n)
+    mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n,
+    moba_select=functools.partial(moba_select, select=chunked_top_n))
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops
@@ -1925,8 +1941,9 @@ def flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride):
 def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, choose):
     """attention.compressed_branch: the output through `flex_compressed_attention`, the blocks
     apart (FlexAttention returns an output, not the probabilities). On CUDA through
-    kernels_triton.py, p^cmp a tile at a time in registers: for nsa's own choice (an
-    attention.TopBlocks, n <= 16) one kernel scores and chooses, the (T, J) scores never
+    kernels_triton.py, p^cmp a tile at a time in registers: for nsa's own choice
+    (attention's nsa_top_blocks with its sizes as keywords, n <= 16) one kernel scores and
+    chooses, the (T, J) scores never
     stored; for any other `choose` one kernel writes the scores. Elsewhere the scores come
     from `chunked_block_scores`, a chunk of queries at a time. Then `choose` over all queries."""
     out = flex_compressed_attention(q, k_cmp, v_cmp, scale, q_start, length, stride)
@@ -1936,7 +1953,7 @@ def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bloc
     if block_score_kernels(q, length, stride, block)[0] == "triton":
         import kernels_triton
         q_, k_ = q.detach(), k_cmp.detach()
-        n = getattr(choose, "n", None)  # nsa's own choice (attention.TopBlocks) says its sizes
+        n = getattr(choose, "keywords", {}).get("n")  # nsa's own choice (a partial of nsa_top_blocks) says its n
         if isinstance(n, int) and n <= kernels_triton.SCORE_TILES[2] and k_cmp.shape[2]:
             blocks = kernels_triton.nsa_top_blocks(q_, k_, scale, q_start, length, stride, block, J, n)
             return out, expand_kv(blocks, q.shape[1])
@@ -1944,16 +1961,18 @@ def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bloc
     return out, choose(chunked_block_scores(q, k_cmp, scale, q_start, length, stride, block, J), q_start)
 
 
-NSA_SCORES_KERNEL = os.environ.get("NSA_SCORES_KERNEL", "auto")  # auto (triton on CUDA) | triton | torch
-if NSA_SCORES_KERNEL not in ("auto", "triton", "torch"):
-    raise ValueError(f"NSA_SCORES_KERNEL={NSA_SCORES_KERNEL!r}: use auto (Triton's kernel on CUDA), triton or torch")
+# nsa's and moba's selection on FLEX: auto (kernels_triton.py's kernels on CUDA, the torch forms
+# elsewhere) | triton (any device: Triton's interpreter on a CPU) | torch
+SELECTION_KERNEL = os.environ.get("SELECTION_KERNEL", "auto")
+if SELECTION_KERNEL not in ("auto", "triton", "torch"):
+    raise ValueError(f"SELECTION_KERNEL={SELECTION_KERNEL!r}: use auto (Triton's kernels on CUDA), triton or torch")
 
 
 def block_score_kernels(q, length, stride, block):
     """('triton' or 'torch', why): the path of nsa's selection (its block scores, and its choice
     where fused) on FLEX; said once per answer, outside a compile."""
-    why = "NSA_SCORES_KERNEL=torch"
-    if NSA_SCORES_KERNEL == "triton" or (NSA_SCORES_KERNEL == "auto" and q.is_cuda):
+    why = "SELECTION_KERNEL=torch"
+    if SELECTION_KERNEL == "triton" or (SELECTION_KERNEL == "auto" and q.is_cuda):
         try:
             import kernels_triton
             why = kernels_triton.block_scores_unsupported(q, length, stride, block)
@@ -1961,7 +1980,7 @@ def block_score_kernels(q, length, stride, block):
             why = f"triton not importable ({e})"
         if why is None:
             return _say_once("nsa's selection", "triton", "kernels_triton.py, p^cmp never in memory")
-    elif NSA_SCORES_KERNEL == "auto":
+    elif SELECTION_KERNEL == "auto":
         why = "not a CUDA tensor"
     return _say_once("nsa's selection", "torch", why)
 
@@ -2227,13 +2246,41 @@ def _listed_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
     return kl.sum() / (B * T)
 
 
+def flex_moba_select(q, means, q_start, block, topk):
+    """attention.moba_select on FLEX: on CUDA one Triton kernel (kernels_triton.moba_blocks: the
+    (T, J) scores and their top-k never in memory; its products in float32, as the definition
+    says, where under autocast the torch forms' product runs in bf16), elsewhere
+    `moba_select` with the running maxima of `_top_n`."""
+    if moba_select_kernels(q, topk)[0] == "triton":
+        import kernels_triton
+        return kernels_triton.moba_select(q, means, q_start, block, topk)
+    return moba_select(q, means, q_start, block, topk, functools.partial(_top_n, maxima=True))
+
+
+def moba_select_kernels(q, topk):
+    """('triton' or 'torch', why): the path of moba's choice on FLEX; said once per answer,
+    outside a compile."""
+    why = "SELECTION_KERNEL=torch"
+    if SELECTION_KERNEL == "triton" or (SELECTION_KERNEL == "auto" and q.is_cuda):
+        try:
+            import kernels_triton
+            why = kernels_triton.moba_unsupported(q, topk)
+        except ImportError as e:
+            why = f"triton not importable ({e})"
+        if why is None:
+            return _say_once("moba's selection", "triton", "kernels_triton.moba_blocks, the scores never in memory")
+    elif SELECTION_KERNEL == "auto":
+        why = "not a CUDA tensor"
+    return _say_once("moba's selection", "torch", why)
+
+
 FLEX = Ops(
     name="FlexAttention + SDPA (kernels.py)", attention=flex_attention_op, pair_gated_attention=flex_pair_gated_attention,
     topk_attention=flex_topk_attention, combiner_attention=flex_combiner_attention,
     block_attention=flex_block_attention, selected_attention=flex_selected_attention,
     compressed_branch=flex_compressed_branch,
     indexer_topk=chunked_indexer_topk, indexer_kl=flex_indexer_kl, mean_pair_gate=chunked_mean_pair_gate,
-    top_n=functools.partial(_top_n, maxima=True))
+    top_n=functools.partial(_top_n, maxima=True), moba_select=flex_moba_select)
 
 
 # ---------------------------------------------------------------------------- DECODE: a few query rows against a long KV cache
@@ -2614,4 +2661,4 @@ DECODE = Ops(
     combiner_attention=decode_combiner_attention, block_attention=decode_block_attention,
     selected_attention=decode_selected_attention, compressed_branch=decode_compressed_branch,
     indexer_topk=decode_indexer_topk, indexer_kl=chunked_indexer_kl,
-    mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n)
+    mean_pair_gate=chunked_mean_pair_gate, top_n=_top_n, moba_select=functools.partial(moba_select, select=_top_n))

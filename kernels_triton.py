@@ -614,6 +614,83 @@ def nsa_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
     return _block_scores_op(q, k_cmp, float(scale), int(q_start), int(length), int(stride), int(block), int(J))
 
 
+# ----------------------------------------------------------------------------- moba's choice
+# [MoBA] eqs. 5-6 (attention.moba_select): s_j = q . K_bar_j over the complete blocks' means,
+# the own block forced, the top k - 1 of the earlier ones. Through torch ops the (T, J) scores,
+# their (T, J) int64 keys and k passes over them (kernels._top_n's running maxima) each reach
+# memory; here one program per (query block, head) reads its means NB at a time and keeps the
+# running top-16 of attention.top_n's keys, as nsa's choice does. Forward only, float32.
+
+
+@triton.jit
+def _moba_blocks_kernel(Q, MEANS, OUT, T, FULL, J, H, HKV, q_start, BLOCK: tl.constexpr, D: tl.constexpr,
+                        BM: tl.constexpr, NB: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kh = ((bh // H) * HKV + (bh % H) // (H // HKV)).to(tl.int64)
+    bh = bh.to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + (bh * T + offs_m[:, None]) * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    own = (q_start + offs_m) // BLOCK
+    empty = _order_key(tl.full([BM, NB], float("-inf"), tl.float32), tl.zeros([BM, NB], tl.int32))
+    best = empty
+    j_end = tl.minimum(J, (q_start + tl.minimum(pid_m * BM + BM, T) - 1) // BLOCK + 1)  # the last row's own block
+    for j0 in range(0, j_end, NB):
+        offs_j = j0 + tl.arange(0, NB)
+        means = tl.load(MEANS + (kh * FULL + offs_j[:, None]) * D + offs_d[None, :], mask=offs_j[:, None] < FULL,
+                        other=0.0)
+        s = tl.dot(q, tl.trans(means), input_precision="ieee")  # eq. 5, float32; 0 for the incomplete block
+        earlier = offs_j[None, :] < own[:, None]
+        score = tl.where(offs_j[None, :] == own[:, None], float("inf"), tl.where(earlier, s, float("-inf")))
+        best = tl.topk(tl.reshape(tl.join(best, _order_key(score, offs_j[None, :] + tl.zeros([BM, NB], tl.int32))),
+                                  [BM, 2 * NB]), NB)
+    index = tl.where((best >> 32) == (empty >> 32), -1, best & 0xFFFFFFFF)
+    tl.store(OUT + (bh * T + offs_m[:, None]) * NB + tl.arange(0, NB)[None, :], index, mask=offs_m[:, None] < T)
+
+
+MOBA_TILES = (32, 16, 4)  # (query rows, blocks a tile, warps)
+
+
+def moba_blocks(q, means, q_start, block, topk):
+    """attention.moba_select: (B, H, T, topk) long, each query head's blocks, highest first (its
+    own block first), -1 where fewer than topk are valid; q (B, H, T, D), means (B, Hkv, full,
+    D) of the complete blocks. topk <= 16. The scores exist one (BM, NB) tile at a time."""
+    B, H, T, D = q.shape
+    Hkv, full = means.shape[1], means.shape[2]
+    BM, NB, warps = MOBA_TILES
+    J = -(-(q_start + T) // block)
+    out = torch.empty(B, H, T, NB, device=q.device, dtype=torch.int64)
+    _moba_blocks_kernel[(triton.cdiv(T, BM), B * H)](
+        q.float().contiguous(), means.float().contiguous(), out, T, full, J, H, Hkv, q_start, BLOCK=block, D=D,
+        BM=BM, NB=NB, num_warps=warps)
+    return out[..., :topk]
+
+
+@torch.library.custom_op("attention_gym_lm::moba_blocks", mutates_args=())
+def _moba_blocks_op(q: torch.Tensor, means: torch.Tensor, q_start: int, block: int, topk: int) -> torch.Tensor:
+    return moba_blocks(q, means, q_start, block, topk).contiguous()
+
+
+@_moba_blocks_op.register_fake
+def _(q, means, q_start, block, topk):
+    return q.new_empty(*q.shape[:3], topk, dtype=torch.int64)
+
+
+def moba_select(q, means, q_start, block, topk):
+    """`moba_blocks` as a custom op: a compiled block calls the kernel as it is."""
+    return _moba_blocks_op(q.detach(), means.detach(), int(q_start), int(block), int(topk))
+
+
+def moba_unsupported(q, topk):
+    """Why `moba_blocks` cannot take these sizes, or None."""
+    D = q.shape[-1]
+    if not (D >= 16 and D & (D - 1) == 0):
+        return f"head_dim {D} is not a power of two >= 16"
+    if topk > MOBA_TILES[1]:
+        return f"moba_topk={topk} > {MOBA_TILES[1]} (the kernel's running top-{MOBA_TILES[1]})"
+    return None
+
+
 def block_scores_unsupported(q, length, stride, block):
     """Why `block_scores` cannot take these sizes, or None: tl.arange and tl.dot want powers of
     two (the head dim >= 16, block / stride)."""

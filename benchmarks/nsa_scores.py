@@ -1,8 +1,9 @@
 """nsa's selection ([NSA] eqs. 8-12) on a GPU: its block scores through kernels_triton.block_scores
 (one kernel) against kernels.chunked_block_scores (torch ops a chunk of queries at a time), and
 the blocks chosen from each, against kernels_triton.top_blocks, which scores and chooses in one
-kernel (what nsa runs on CUDA), side by side in one run; or, without a GPU, both kernels compiled
-for sm_90 and sm_80 with ptxas's registers and spills.
+kernel (what nsa runs on CUDA), side by side in one run; or, without a GPU, both kernels (and
+moba's choice, kernels_triton.moba_blocks) compiled for sm_90 and sm_80 with ptxas's registers
+and spills.
 
     python benchmarks/nsa_scores.py                  # on a GPU: ms at T = 4096, 16384
     python benchmarks/nsa_scores.py --compile        # any machine with triton: sm_90 / sm_80 cubins
@@ -95,6 +96,16 @@ def compile_rows(archs=(90, 80)):
                    choice=(kt._top_blocks_kernel, dict(STATS="*fp32", OUT="*i64"), dict(BLOCK=BLOCK)))
     rows = []
     for arch in archs:
+        for d in (64, 128):  # moba's choice (kernels_triton.moba_blocks): float32 q and block means
+            BMm, NBm, warps_m = kt.MOBA_TILES
+            t0 = time.time()
+            registers, spills, cubin_bytes, error = compile_for(
+                kt._moba_blocks_kernel, dict(Q="*fp32", MEANS="*fp32", OUT="*i64"),
+                dict(BLOCK=64, D=d, BM=BMm, NB=NBm), arch, warps_m)
+            rows.append(dict(arch=arch, kernel="moba choice", dtype="fp32", D=d, registers=registers, spills=spills,
+                             cubin_bytes=cubin_bytes, error=error))
+            print(f"| sm_{arch} | moba choice | fp32 | {d} | {registers} "
+                  f"| {' / '.join(map(str, spills)) if spills else error} | {time.time() - t0:.1f} |", flush=True)
         for name, (fn, pointers, extra) in kernels.items():
             for dtype, ieee in (("bf16", 0), ("fp32", 1)):
                 for d in (64, 128):

@@ -178,16 +178,38 @@ def compare_choices(kt, case, n, device):
     return torch.equal(attention.expand_kv(got, H), want)
 
 
-def nsa_model_through_the_gpu_path(device):
-    """A 2-layer nsa model with kernel='flex' (its block scores through kernels_triton's kernel:
-    NSA_SCORES_KERNEL=triton in the child, the default on CUDA) against kernel='ref', same
-    weights: (the path kernels.py chose, the loss's difference, the largest gradient error
-    relative to that gradient's largest entry, 0 on a CPU: FlexAttention there has no backward).
-    T = 80 at the cpu preset's sizes (8, 4, 16): 19 compressed keys, 5 blocks, 4 chosen."""
+# moba's choice: B, H, Hkv, T, D, block, q_start, topk
+MOBA_CASES = {
+    "12 blocks of 8, k = 3": (1, 2, 1, 100, 16, 8, 0, 3),
+    "GQA, a chunk after a prefix, k = 5": (2, 4, 2, 77, 16, 4, 30, 5),
+    "k = 16: a whole tile of slots, -1 after": (1, 2, 2, 64, 16, 8, 0, 16),
+    "k = 1: the own block alone": (1, 2, 1, 60, 32, 4, 0, 1),
+}
+SMALL_MOBA_TILES = (16, 16, 4)
+
+
+def compare_moba(kt, case, device):
+    """kernels_triton.moba_blocks equal to attention.moba_select, every slot?"""
+    B, H, Hkv, T, D, block, q_start, topk = case
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, q_start + T, D, generator=g)
+    means = attention.block_means(k, block)
+    want = attention.moba_select(q, means, q_start, block, topk)
+    return torch.equal(kt.moba_select(q.to(device), means.to(device), q_start, block, topk).cpu(), want)
+
+
+def model_choosing_through_the_kernels(device, attn):
+    """A 2-layer nsa or moba model with kernel='flex' (its choice through kernels_triton's
+    kernel: SELECTION_KERNEL=triton in the child, the default on CUDA) against kernel='ref',
+    same weights: (the path kernels.py chose, the loss's difference, the largest gradient error
+    relative to that gradient's largest entry, 0 on a CPU: FlexAttention there has no
+    backward). T = 80: nsa at the cpu preset's sizes (8, 4, 16), 19 compressed keys, 5 blocks,
+    4 chosen; moba 10 blocks of 8, 3 chosen."""
     import kernels
     from model import Model, ModelConfig
-    cfg = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, attn="nsa", nsa_cmp_block=8,
-               nsa_cmp_stride=4, nsa_block=16, nsa_topk=4, nsa_window=16)
+    sizes = dict(nsa=dict(nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=16, nsa_topk=4, nsa_window=16),
+                 moba=dict(moba_block=8, moba_topk=3))[attn]
+    cfg = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, attn=attn, **sizes)
     torch.manual_seed(0)
     ref = Model(ModelConfig(**cfg, kernel="ref")).to(device)
     gpu_path = Model(ModelConfig(**cfg, kernel="flex")).to(device)
@@ -203,17 +225,19 @@ def nsa_model_through_the_gpu_path(device):
         losses.append(loss.item())
     error = max(((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
                 for n, g in grads[0].items()) if grads else 0.0
-    return [kernels.block_score_kernels(idx.new_zeros(1, 1, 1, 16, dtype=torch.float32), 8, 4, 16)[0],
-            abs(losses[0] - losses[1]), error]
+    q = idx.new_zeros(1, 1, 1, 16, dtype=torch.float32)
+    path = kernels.block_score_kernels(q, 8, 4, 16) if attn == "nsa" else kernels.moba_select_kernels(q, 3)
+    return [path[0], abs(losses[0] - losses[1]), error]
 
 
 def scores_compiled_equal_eager(kt, device):
     """Each op inside a compiled function (fullgraph: no graph break) gives the eager call's
-    scores and blocks."""
+    scores and blocks (nsa's, and moba's over 4 block means)."""
     q, k, *rest = score_inputs(1, 2, 1, 40, 16, (16, 8, 32), 0)
 
     def f(q, k):
-        return kt.nsa_block_scores(q, k, *rest) * 2, kt.nsa_top_blocks(q, k, *rest, 4) + 1
+        return (kt.nsa_block_scores(q, k, *rest) * 2, kt.nsa_top_blocks(q, k, *rest, 4) + 1,
+                kt.moba_select(q, k[:, :, :4], 0, 8, 3) + 1)
 
     q, k = q.to(device), k.to(device)
     return all(torch.equal(a, b) for a, b in zip(f(q, k), torch.compile(f, fullgraph=True)(q, k)))
@@ -239,8 +263,15 @@ def measure(device):
     scores["default tiles, D = 64"] = compare_scores(kt, (1, 2, 1, 200, 64, (16, 8, 32), 0, "float32"), device)
     choices["default tiles, D = 64, n = 4"] = compare_choices(kt, (1, 2, 1, 200, 64, (16, 8, 16), 0, "float32"), 4, device)
     kt.SCORE_TILES = SMALL_SCORE_TILES if device == "cpu" else default
-    return dict(result, scores=scores, choices=choices, scores_compiled=scores_compiled_equal_eager(kt, device),
-                nsa_model=nsa_model_through_the_gpu_path(device))
+    default = kt.MOBA_TILES
+    if device == "cpu":
+        kt.MOBA_TILES = SMALL_MOBA_TILES
+    moba = {name: compare_moba(kt, case, device) for name, case in MOBA_CASES.items()}
+    kt.MOBA_TILES = default
+    moba["default tiles, D = 64, k = 4"] = compare_moba(kt, (1, 2, 1, 200, 64, 8, 0, 4), device)
+    kt.MOBA_TILES = SMALL_MOBA_TILES if device == "cpu" else default
+    return dict(result, scores=scores, choices=choices, moba=moba, scores_compiled=scores_compiled_equal_eager(kt, device),
+                models={attn: model_choosing_through_the_kernels(device, attn) for attn in ("nsa", "moba")})
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +282,7 @@ def measured():
     if CUDA:
         return measure("cuda")
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "ASGA_KERNEL": "triton", "NSA_SCORES_KERNEL": "triton"})
+                       env={**os.environ, "TRITON_INTERPRET": "1", "ASGA_KERNEL": "triton", "SELECTION_KERNEL": "triton"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -317,12 +348,21 @@ def test_nsa_block_scores_inside_torch_compile(measured):
     assert measured["scores_compiled"]
 
 
-def test_an_nsa_model_on_the_gpu_path_chooses_through_the_kernel_and_trains_as_the_definition(measured):
-    """kernel='flex' hands nsa's block scores to the kernel, and a 2-layer model's loss (and on
-    CUDA its gradients) equal attention.py's as written (a block chosen differently moves the
-    loss by 4e-5 to 2e-4 at this size: blocks shifted by one, rows not normalised)."""
-    path, loss_diff, grad_error = measured["nsa_model"]
-    assert path == "triton" and loss_diff < 1e-5 and grad_error < 1e-4, measured["nsa_model"]
+@pytest.mark.parametrize("case", list(MOBA_CASES) + ["default tiles, D = 64, k = 4"])
+def test_moba_choice_equals_the_definition(measured, case):
+    """kernels_triton.moba_blocks (eq. 5's scores in float32, the own block forced, the earlier
+    ones ranked by attention.top_n's tie rule, -1 where fewer than k are valid) chooses every
+    slot as attention.moba_select."""
+    assert measured["moba"][case], case
+
+
+@pytest.mark.parametrize("attn", ["nsa", "moba"])
+def test_a_model_on_the_gpu_path_chooses_through_the_kernel_and_trains_as_the_definition(measured, attn):
+    """kernel='flex' hands nsa's (moba's) choice to its kernel, and a 2-layer model's loss (and
+    on CUDA its gradients) equal attention.py's as written (for nsa a block chosen differently
+    moved the loss by 4e-5 to 2e-4 at this size: blocks shifted by one, rows not normalised)."""
+    path, loss_diff, grad_error = measured["models"][attn]
+    assert path == "triton" and loss_diff < 1e-5 and grad_error < 1e-4, measured["models"][attn]
 
 
 def test_the_kernels_compile_for_h100_and_a100_without_spilling():
@@ -340,10 +380,10 @@ def test_the_kernels_compile_for_h100_and_a100_without_spilling():
     assert all(r["spills"] == (0, 0) for r in rows), [r for r in rows if r["spills"] != (0, 0)]
 
 
-def test_nsa_block_scores_compile_for_h100_and_a100_without_spilling():
+def test_the_selection_kernels_compile_for_h100_and_a100_without_spilling():
     """nsa's two kernels (scores; scores and choice) at their default tiles
-    (kernels_triton.SCORE_TILES), bf16 and float32 inputs, head dims 64 and 128, compile to
-    sm_90 and sm_80 cubins without spilling (64 x 64 tiles at 4 warps spilled 0.4-44 KB with
+    (kernels_triton.SCORE_TILES), bf16 and float32 inputs, and moba's choice (float32), head
+    dims 64 and 128, compile to sm_90 and sm_80 cubins without spilling (64 x 64 tiles at 4 warps spilled 0.4-44 KB with
     float32 inputs), but the choice with float32 inputs at D = 128, which spills 64-176 bytes
     at every tile shape tried (its running top-16 and the merge's 32 int64 keys a row on top
     of the product's registers; training on a GPU runs bf16)."""
@@ -352,7 +392,7 @@ def test_nsa_block_scores_compile_for_h100_and_a100_without_spilling():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import nsa_scores
     rows = nsa_scores.compile_rows()
-    assert len(rows) == 16 and all(r["error"] is None and r["cubin_bytes"] > 0 for r in rows), rows
+    assert len(rows) == 20 and all(r["error"] is None and r["cubin_bytes"] > 0 for r in rows), rows
     known = [r for r in rows if (r["kernel"], r["dtype"], r["D"]) == ("choice", "fp32", 128)]
     assert len(known) == 2 and all(sum(r["spills"]) <= 512 for r in known), known
     spilling = [r for r in rows if r["spills"] != (0, 0) and r not in known]
