@@ -1971,18 +1971,24 @@ if SELECTION_KERNEL not in ("auto", "triton", "torch"):
 def block_score_kernels(q, length, stride, block):
     """('triton' or 'torch', why): the path of nsa's selection (its block scores, and its choice
     where fused) on FLEX; said once per answer, outside a compile."""
+    return _selection_path("nsa's selection", q, lambda kt: kt.block_scores_unsupported(q, length, stride, block))
+
+
+def _selection_path(what, q, unsupported):
+    """`SELECTION_KERNEL`'s answer for q: kernels_triton.py's kernel where Triton imports and
+    unsupported(kernels_triton) says None, else the torch form; said once per answer."""
     why = "SELECTION_KERNEL=torch"
     if SELECTION_KERNEL == "triton" or (SELECTION_KERNEL == "auto" and q.is_cuda):
         try:
             import kernels_triton
-            why = kernels_triton.block_scores_unsupported(q, length, stride, block)
+            why = unsupported(kernels_triton)
         except ImportError as e:
             why = f"triton not importable ({e})"
         if why is None:
-            return _say_once("nsa's selection", "triton", "kernels_triton.py, p^cmp never in memory")
+            return _say_once(what, "triton", "kernels_triton.py, the scores never in memory")
     elif SELECTION_KERNEL == "auto":
         why = "not a CUDA tensor"
-    return _say_once("nsa's selection", "torch", why)
+    return _say_once(what, "torch", why)
 
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; selection blocks may be smaller or larger
@@ -2260,18 +2266,7 @@ def flex_moba_select(q, means, q_start, block, topk):
 def moba_select_kernels(q, topk):
     """('triton' or 'torch', why): the path of moba's choice on FLEX; said once per answer,
     outside a compile."""
-    why = "SELECTION_KERNEL=torch"
-    if SELECTION_KERNEL == "triton" or (SELECTION_KERNEL == "auto" and q.is_cuda):
-        try:
-            import kernels_triton
-            why = kernels_triton.moba_unsupported(q, topk)
-        except ImportError as e:
-            why = f"triton not importable ({e})"
-        if why is None:
-            return _say_once("moba's selection", "triton", "kernels_triton.moba_blocks, the scores never in memory")
-    elif SELECTION_KERNEL == "auto":
-        why = "not a CUDA tensor"
-    return _say_once("moba's selection", "torch", why)
+    return _selection_path("moba's selection", q, lambda kt: kt.moba_unsupported(q, topk))
 
 
 FLEX = Ops(

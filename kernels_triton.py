@@ -420,12 +420,12 @@ def _seen(offs, pos, C, LENGTH: tl.constexpr, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _rows(bh, pid_m, T, q_start, BM: tl.constexpr):
-    """The block's rows, their positions, and n_end: the compressed keys its last row sees (key
-    i is complete once i STRIDE + LENGTH - 1 <= pos)."""
+def _rows(pid_m, T, q_start, C, LENGTH: tl.constexpr, STRIDE: tl.constexpr, BM: tl.constexpr):
+    """The block's rows, their positions, the last row's position, and n_end: the compressed
+    keys the last row sees (key i is complete once i STRIDE + LENGTH - 1 <= pos)."""
     offs_m = pid_m * BM + tl.arange(0, BM)
     last = q_start + tl.minimum(pid_m * BM + BM, T) - 1
-    return offs_m, q_start + offs_m, last
+    return offs_m, q_start + offs_m, last, tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
 
 
 @triton.jit
@@ -478,8 +478,7 @@ def _block_scores_kernel(Q, K, OUT, T, C, J, H, HKV, q_start, scale, LENGTH: tl.
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kh = ((bh // H) * HKV + (bh % H) // (H // HKV)).to(tl.int64)  # the key head of this query head
     bh = bh.to(tl.int64)  # (B H T J) outgrows int32 at batch 16, T = 32768
-    offs_m, pos, last = _rows(bh, pid_m, T, q_start, BM)
-    n_end = tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
+    offs_m, pos, last, n_end = _rows(pid_m, T, q_start, C, LENGTH, STRIDE, BM)
     q = tl.load(Q + (bh * T + offs_m[:, None]) * D + tl.arange(0, D)[None, :], mask=offs_m[:, None] < T, other=0.0)
     m, inv_l = _softmax_stats(q, K, kh, C, pos, n_end, scale, LENGTH, STRIDE, D, BM, BN, IEEE)
     W = _overlaps(COVERS, PB, NB)
@@ -513,8 +512,7 @@ def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH
     pid_m, bk = tl.program_id(0), tl.program_id(1)
     G = H // HKV
     bk = bk.to(tl.int64)
-    offs_m, pos, last = _rows(bk, pid_m, T, q_start, BM)
-    n_end = tl.minimum(C, tl.maximum(last - LENGTH + 1 + STRIDE, 0) // STRIDE)
+    offs_m, pos, last, n_end = _rows(pid_m, T, q_start, C, LENGTH, STRIDE, BM)
     offs_d = tl.arange(0, D)
     first_head = (bk // HKV) * H + (bk % HKV) * G  # the key head's first query head, b H + h
     for g in range(0, G):

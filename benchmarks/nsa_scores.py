@@ -16,7 +16,6 @@ relative to the largest score, and whether all three choose the same blocks.
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,27 +29,11 @@ H, D, B = 12, 64, 4
 LENGTH, STRIDE, BLOCK, TOPK = 16, 8, 32, 8
 
 
-def timed(step, runs, device):
-    """(median ms of runs, the first call's s)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    step()
-    sync()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(runs):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times), first
-
-
 def time_rows(lengths, runs, device, batch):
     import attention
     import kernels
     import kernels_triton
+    from asga_kernel import timed  # (median ms, first call's s), CUDA-synchronised
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton's interpreter: the script checked, not timed)"
     print(f"nsa_scores on {name}, torch {torch.__version__}, B={batch} H={H} D={D}, (l, d, l') = "
           f"({LENGTH}, {STRIDE}, {BLOCK}), n = {TOPK}, bf16", flush=True)
@@ -72,8 +55,8 @@ def time_rows(lengths, runs, device, batch):
             error = ((a - b).abs().max() / a.abs().max()).item()
             del a, b
             same = torch.equal(chosen["torch"](), chosen["fused"]()) and torch.equal(chosen["torch"](), chosen["kernel"]())
-            ms = {n: timed(f, runs, device)[0] for n, f in scores.items()}
-            ms_n = {n: timed(f, runs, device)[0] for n, f in chosen.items()}
+            ms = {n: timed(f, runs)[0] for n, f in scores.items()}
+            ms_n = {n: timed(f, runs)[0] for n, f in chosen.items()}
         print(f"| {T} | {C} | {ms['torch']:.2f} | {ms['kernel']:.2f} | {ms['kernel'] / ms['torch']:.2f} "
               f"| {ms_n['torch']:.2f} | {ms_n['kernel']:.2f} | {ms_n['fused']:.2f} | {ms_n['fused'] / ms_n['torch']:.2f} "
               f"| {error:.1e} | {same} |", flush=True)
