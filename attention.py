@@ -1365,7 +1365,8 @@ def moba_select(q, means, q_start, block, topk, select=top_n):
     B, H, T, D = q.shape
     J = ceil_div(q_start + T, block)  # blocks up to the last query's own
     full = means.shape[2]  # complete blocks
-    scores = grouped_dots(q.detach().float(), means.detach().float())  # (B, H, T, full): eq. 5
+    with torch.autocast(q.device.type, enabled=False):  # float32 under autocast too
+        scores = grouped_dots(q.detach().float(), means.detach().float())  # (B, H, T, full): eq. 5
     # The incomplete last block has no mean; its score is a 0 pad, read only by that block's
     # own queries, for which it is forced (its score is never compared).
     scores = F.pad(scores, (0, J - full))
@@ -1501,7 +1502,8 @@ class LightningIndexer(nn.Module):
 def lightning_scores(q_BTJD, k_BSD, w_BTJ, q_start, k_start):
     """(B, T, S) float32, [DS32] eq. 1: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] / sqrt(d)),
     -inf where key s is not visible to query t. q (B, T, J, d) the indexer's queries, k (B, S, d)
-    its keys (one per token, shared by the J heads), w (B, T, J) its head weights."""
+    its keys (one per token, shared by the J heads), w (B, T, J) its head weights. Under
+    autocast the products q . k run in its dtype ([DS32]'s run in FP8), the weighted sum in float32."""
     B, T, J, d = q_BTJD.shape
     S = k_BSD.shape[1]
     dots = torch.einsum("btjd,bsd->btjs", q_BTJD.float(), k_BSD.float()) / math.sqrt(d)  # (B, T, J, S)

@@ -1575,7 +1575,8 @@ def moba_select(q, means, q_start, block, topk, select=None):
     forced, the earlier ones ranked."""
     B, H, T, D = q.shape
     J = ceil_div(q_start + T, block)
-    scores = (_head_rows(q.detach().float(), means.shape[1]) @ means.detach().float().transpose(-2, -1))
+    with torch.autocast(q.device.type, enabled=False):  # float32 under autocast too
+        scores = (_head_rows(q.detach().float(), means.shape[1]) @ means.detach().float().transpose(-2, -1))
     scores = F.pad(scores.view(B, H, T, means.shape[2]), (0, J - means.shape[2]))  # the incomplete block: forced only
     own = torch.arange(q_start, q_start + T, device=q.device)[:, None] // block
     j = torch.arange(J, device=q.device)
@@ -2255,8 +2256,7 @@ def _listed_kl(q, k, scale, q_idx, k_idx, w, q_start, k_start, keys):
 def flex_moba_select(q, means, q_start, block, topk):
     """attention.moba_select on FLEX: on CUDA one Triton kernel (kernels_triton.moba_blocks: the
     (T, J) scores and their top-k never in memory; its products in float32, as the definition
-    says, where under autocast the torch forms' product runs in bf16), elsewhere
-    `moba_select` with the running maxima of `_top_n`."""
+    says), elsewhere `moba_select` with the running maxima of `_top_n`."""
     if moba_select_kernels(q, topk)[0] == "triton":
         import kernels_triton
         return kernels_triton.moba_select(q, means, q_start, block, topk)

@@ -279,6 +279,22 @@ def test_moba_selection_is_a_brute_force_sort():
                 assert got == expected, (b, h, t, got, expected)
 
 
+def test_moba_selection_is_float32_under_autocast():
+    """[MoBA]'s gate in float32 (attention.moba_select's docstring) under bf16 autocast too, on
+    every path's form: the same blocks as without autocast (bf16 products of q . K_bar change
+    a choice where two scores lie within bf16's rounding, 62 of 8192 slots here), and the same
+    as kernels_triton.moba_blocks, which computes in float32 on a GPU."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 512, 64), torch.randn(1, 2, 512, 64)
+    means = attention.block_means(k, 16)
+    want = attention.moba_select(q, means, 0, 16, 4)
+    forms = {"attention.py": attention.moba_select,
+             "blockwise": kernels.BLOCKWISE.moba_select, "flex (torch form)": kernels.FLEX.moba_select}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for name, select in forms.items():
+            assert torch.equal(select(q, means, 0, 16, 4), want), name
+
+
 def test_moba_ties_go_to_the_most_recent_blocks():
     """The tie rule of `top_blocks`: with one key repeated, every block mean and every score is
     equal, and each query reads its own block and the k - 1 blocks just before it (a window)."""
