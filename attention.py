@@ -1120,9 +1120,9 @@ def compressed_probs(q, k_cmp, scale, q_start, length, stride):
     the compressed keys a query can see: key i summarises positions i*stride ..
     i*stride + length - 1 and is visible to query t once its last position is <= t ([xl],
     [fla] likewise); a query that sees none gets 0 ([fla-nsa], [xl])."""
-    B, H, T, _ = q.shape
-    C = k_cmp.shape[2]
-    logits = (q @ expand_kv(k_cmp, H).transpose(-2, -1)) * scale  # (B, H, T, C)
+    (B, H, T, _), C = q.shape, k_cmp.shape[2]
+    with torch.autocast(q.device.type, enabled=False):  # float32 under autocast too, as every fast form
+        logits = (q.float() @ expand_kv(k_cmp, H).float().transpose(-2, -1)) * scale  # (B, H, T, C)
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     visible = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C)
     return softmax_or_zero(logits, visible)
@@ -1132,15 +1132,16 @@ def compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, ch
     """[NSA]'s compressed branch and the selection it drives, from one p^cmp (eq. 8): the
     output (B, H, T, D) = sum_i p^cmp_ti V^cmp_i (eqs. 7-8), and the blocks (B, H, T, n) that
     choose(p^slc, q_start) picks from the block scores p^slc (B, H, T, J) = eq. 9 of the same
-    p^cmp, J the blocks up to the last query's own (None without `choose`). A fast form may
-    call `choose` a chunk of queries at a time, each with the blocks up to its last query."""
+    p^cmp in float32, J the blocks up to the last query's own (None without `choose`); a fast
+    form may call `choose` a chunk of queries at a time, with the blocks up to its last query."""
     B, H, T, _ = q.shape
     p = compressed_probs(q, k_cmp, scale, q_start, length, stride)  # (B, H, T, C)
     out = p.to(v_cmp.dtype) @ expand_kv(v_cmp, H)
     if choose is None:
         return out, None
-    J = ceil_div(q_start + T, block)
-    return out, choose(p.detach() @ block_overlap(p.shape[-1], J, length, stride, block, p.device), q_start)
+    with torch.autocast(q.device.type, enabled=False):
+        return out, choose(p.detach() @ block_overlap(p.shape[-1], ceil_div(q_start + T, block), length, stride, block,
+                                                      p.device), q_start)
 
 
 def block_overlap(C, J, length, stride, block, device):
@@ -1157,8 +1158,7 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     """(B, H, T, n): the blocks each query reads ([NSA] eqs. 10-12), from its block scores
     (B, H, T, J). Eq. 10: the query heads of a key head sum their scores and choose together.
     §4.1: n counts 3 forced blocks, "the 1 initial block and 2 local blocks": block 0, the
-    query's own and the one before ([xl], [fla]); the rest are the best of its blocks
-    j * block <= t."""
+    query's own and the one before ([xl], [fla]); the rest the best of its blocks j block <= t."""
     B, H, T, J = scores.shape
     scores = scores.view(B, n_kv_head, H // n_kv_head, T, J).sum(2)  # eq. 10: one choice per key head
     own = torch.arange(q_start, q_start + T, device=scores.device)[:, None] // block  # (T, 1)

@@ -2604,7 +2604,10 @@ def listed_rows_attention(q, k, v, keys, first, scale=1.0):
 
 
 def _decode_compressed_probs(q, k_cmp, scale, q_start, length, stride):
-    """(B, H, T, C) float32: attention.compressed_probs, the compressed keys read once per key head."""
+    """(B, H, T, C) float32: attention.compressed_probs, the compressed keys read once per key head.
+    Under autocast the logits are the autocast dtype's product, rounded to it (float32 products
+    would read a float32 copy of the compressed keys each step, 5x the bytes of bf16's): a
+    step's choice can differ from a prefill's where two block scores lie within that rounding."""
     T, C = q.shape[2], k_cmp.shape[2]
     seen = None  # every query sees every compressed key cached (a one-token step): no mask
     if not 0 < C or (C - 1) * stride + length - 1 > q_start:

@@ -295,6 +295,21 @@ def test_moba_selection_is_float32_under_autocast():
             assert torch.equal(select(q, means, 0, 16, 4), want), name
 
 
+def test_nsa_selection_is_float32_under_autocast():
+    """[NSA]'s p^cmp and block scores (eqs. 8-9) in float32 under bf16 autocast on attention.py's
+    form as on the fast forms (BLOCKWISE's loops and FLEX's chunks compute them in float32, as
+    kernels_triton.block_scores does on a GPU): the same blocks from the same bf16 inputs.
+    With the autocast's bf16 products attention.py's choice differed in 74 of 12288 slots."""
+    torch.manual_seed(0)
+    q, k_cmp, v_cmp = torch.randn(1, 4, 512, 64), torch.randn(1, 2, 63, 64), torch.randn(1, 2, 63, 64)
+    args = (64 ** -0.5, 0, 16, 8, 32, lambda scores, q_start: attention.nsa_top_blocks(scores, q_start, 32, 6, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k_cmp, v_cmp = q.bfloat16(), k_cmp.bfloat16(), v_cmp.bfloat16()
+        want = attention.compressed_branch(q, k_cmp, v_cmp, *args)[1]
+        for ops in (kernels.BLOCKWISE, kernels.FLEX):
+            assert torch.equal(ops.compressed_branch(q, k_cmp, v_cmp, *args)[1], want), ops.name
+
+
 def test_moba_ties_go_to_the_most_recent_blocks():
     """The tie rule of `top_blocks`: with one key repeated, every block mean and every score is
     equal, and each query reads its own block and the k - 1 blocks just before it (a window)."""
