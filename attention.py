@@ -1122,7 +1122,7 @@ def compressed_probs(q, k_cmp, scale, q_start, length, stride):
     [fla] likewise); a query that sees none gets 0 ([fla-nsa], [xl])."""
     (B, H, T, _), C = q.shape, k_cmp.shape[2]
     with torch.autocast(q.device.type, enabled=False):  # float32 under autocast too, as every fast form
-        logits = (q.float() @ expand_kv(k_cmp, H).float().transpose(-2, -1)) * scale  # (B, H, T, C)
+        logits = (at_least_float32(q) @ at_least_float32(expand_kv(k_cmp, H)).transpose(-2, -1)) * scale
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     visible = torch.arange(C, device=q.device) * stride + length - 1 <= q_pos  # (T, C)
     return softmax_or_zero(logits, visible)
@@ -1139,9 +1139,9 @@ def compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, block, ch
     out = p.to(v_cmp.dtype) @ expand_kv(v_cmp, H)
     if choose is None:
         return out, None
-    with torch.autocast(q.device.type, enabled=False):
-        return out, choose(p.detach() @ block_overlap(p.shape[-1], ceil_div(q_start + T, block), length, stride, block,
-                                                      p.device), q_start)
+    with torch.autocast(q.device.type, enabled=False):  # eq. 9 in float32 under autocast too
+        scores = p.detach() @ block_overlap(p.shape[-1], ceil_div(q_start + T, block), length, stride, block, p.device)
+    return out, choose(scores, q_start)
 
 
 def block_overlap(C, J, length, stride, block, device):
