@@ -126,8 +126,13 @@ class DecodeLinear(nn.Linear):
     ROWS = 64
     usable = None  # whether this torch has the op (checked at the first decode-sized call)
     path = None
+    cast = None  # the weight in a compiled decoding step's autocast dtype (`hold_casts`)
+    _cast_key = None  # the weight's (version, storage) when cast
 
     def forward(self, x):
+        if self.cast is not None and torch.compiler.is_compiling() and not torch.is_grad_enabled() \
+                and torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == self.cast.dtype:
+            return F.linear(x, self.cast, self.bias)  # autocast casts x and the bias, as it would have the weight
         if (not torch.is_grad_enabled() and x.device.type == "cpu"  # a training step stops at the first test
                 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
                 and x.numel() <= self.ROWS * x.shape[-1]
@@ -144,6 +149,31 @@ class DecodeLinear(nn.Linear):
                     DecodeLinear.usable = False
                     DecodeLinear._say(f"F.linear (oneDNN refused: {str(e).strip().splitlines()[0][:160]})")
         return F.linear(x, self.weight, self.bias)
+
+    @staticmethod
+    def hold_casts(linears, device_type):
+        """Give each DecodeLinear its weight in the autocast dtype now active on device_type,
+        cast again where the weight changed since (its version or storage); drop the casts
+        without autocast. A compiled decoding step reads these (`compile_decoding`): traced,
+        autocast is a cast of every weight in the graph, run every step, where eager autocast
+        keeps its casts while its region lasts. A step's largest read under bf16 autocast on a
+        GPU was that cast: each float32 weight read, written as bf16 and read again, 4x the
+        bf16 weights' bytes (the head of a real vocabulary the most). The casts take the
+        weights' size in that dtype, as autocast's own cache does."""
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        for m in linears:
+            w = m.weight
+            if dtype is None or w.device.type != device_type:
+                m.cast = m._cast_key = None
+                continue
+            key = (w._version, w.data_ptr())
+            if m.cast is None or m.cast.dtype != dtype or m.cast.shape != w.shape or m.cast.device != w.device:
+                m.cast = w.detach().to(dtype, copy=True)
+            elif m._cast_key != key:
+                m.cast.copy_(w.detach())  # in place: the same tensor, the graph's input, new values
+            else:
+                continue
+            m._cast_key = key
 
     @classmethod
     def _usable(cls):
@@ -471,7 +501,9 @@ def compile_decoding(model, **compile_kwargs):
     batch size (tests/test_decode.py counts them). caa runs eager: how
     many keys it keeps is read from the data (ties with its k-th score), a size each step
     would compile anew. Past DECODING_RECOMPILE_LIMIT graphs a step fails, saying so,
-    where dynamo would silently run it uncompiled."""
+    where dynamo would silently run it uncompiled. Under autocast (bf16 on a GPU) the step
+    reads each weight as cast once in that dtype (`DecodeLinear.hold_casts`), not a cast of
+    every weight traced into the graph and run every step."""
     if any(layer.self_attn.cfg.attn == "caa" for layer in model.layers):
         return model, "eager (caa keeps a number of keys read from the data: each step would compile anew)"
 
@@ -483,8 +515,10 @@ def compile_decoding(model, **compile_kwargs):
     forward = types.FunctionType(forward.__code__.replace(), globals(), "decoding_step", None, forward.__closure__)
     DecodeLinear._usable()  # found eagerly: a compiled step reads it (a check inside the trace would break it)
     compiled = torch.compile(forward, dynamic=True, **compile_kwargs)
+    linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
 
     def step(idx, cache):
+        DecodeLinear.hold_casts(linears, idx.device.type)  # under autocast: each weight cast once, not every step
         try:
             # no duck sizing: two buffers of the same size by chance (a key cache and a summary's)
             # would share one size in the graph and recompile once they part

@@ -396,6 +396,51 @@ def test_a_compiled_step_keeps_its_products_with_the_weights_on_onednn():
     assert not others, others
 
 
+def test_a_compiled_step_under_autocast_reads_each_weight_cast_once():
+    """Under bf16 autocast a compiled decoding step's weight products take the weights as cast
+    once (DecodeLinear.hold_casts): every linear in the graph dynamo hands the backend reads a
+    bf16 weight, not a float32 parameter whose cast the graph would run every step. The
+    logits equal the eager step's under autocast, also after a weight changes in place
+    between steps (the cast is made again, not kept stale)."""
+    import copy
+
+    from torch._dynamo.backends.debugging import aot_eager
+    weights = []  # the dtype of the weight each linear of each graph reads
+
+    def recording(gm, example_inputs):
+        weights.extend(n.args[1].meta["example_value"].dtype for n in gm.graph.nodes
+                       if n.op == "call_function" and "linear" in str(n.target))
+        return aot_eager(gm, example_inputs)
+
+    model = tiny("full")
+    idx = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(5))
+
+    def autocast():  # a region per step: eager autocast keeps its own casts while one lasts
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    worst = []
+    try:
+        with torch.no_grad():
+            with autocast():
+                eager_cache = model.new_cache(60)
+                model(idx[:, :40], cache=eager_cache)
+            compiled_cache = copy.deepcopy(eager_cache)
+            step, _ = model_module.compile_decoding(model, backend=recording)
+            for t in range(40, 48):
+                if t == 44:
+                    model.layers[0].mlp.up_proj.weight.mul_(1.5)
+                token = idx[:, t:t + 1].clone()
+                with autocast():
+                    want = model(token, cache=eager_cache)[0]
+                with autocast():
+                    got = step(token, cache=compiled_cache)[0]
+                worst.append(((want - got).abs().max() / want.abs().max()).item())
+    finally:
+        torch._dynamo.reset()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert weights and len(weights) % linears == 0 and set(weights) == {torch.bfloat16}, weights
+    assert max(worst) < 1e-6, worst
+
+
 def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
     """Every nn.Linear of a Model is a DecodeLinear (the same parameters, ties and state_dict
     keys); a no-grad float32 call of a few rows on a CPU runs oneDNN's linear and says so, and
