@@ -313,6 +313,13 @@ class KVCache:
         without)."""
         if start != self.end:
             raise ValueError(f"the cache holds positions up to {self.end}, not {start}: feed tokens in order")
+        if torch.is_autocast_enabled(k.device.type):
+            # the keys in the dtype attention reads them in (kernels._same_dtype casts q, k, v to
+            # autocast's): RMSNorm and RoPE hand back float32 keys beside bf16 values, and a
+            # float32 key cache took twice the memory and was cast again by every decoding step,
+            # a read, a write and a read of every cached key where one read of bf16 would do
+            dtype = torch.get_autocast_dtype(k.device.type)
+            k, v = k.to(dtype), v.to(dtype)
         if self.k.data is None:  # the layer says how its keys and values lie (the first append allocates)
             self.k.keys_last, self.v.keys_last = layer.keys_last_kv
         self.k.append(k)

@@ -396,6 +396,32 @@ def test_a_compiled_step_keeps_its_products_with_the_weights_on_onednn():
     assert not others, others
 
 
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_under_autocast_the_cache_keeps_keys_as_attention_reads_them(name):
+    """Under bf16 autocast the cache holds keys and values in bf16 (RMSNorm and RoPE hand back
+    float32 keys), and a decoding step never casts the cached keys: a float32 key cache was
+    cast to bf16 by every step (kernels._same_dtype), a read and a write of every cached key."""
+    model = tiny(name, **VARIANTS[name])
+    idx = torch.randint(0, 64, (1, 201), generator=torch.Generator().manual_seed(1))
+
+    class Casts(TorchDispatchMode):
+        storages = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.storages.append(args[0].untyped_storage().data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model.new_cache()
+        model(idx[:, :200], cache=cache)
+        with Casts() as casts:
+            model(idx[:, 200:], cache=cache)
+    keys = cache[0].k.view()
+    assert keys.dtype == cache[0].v.view().dtype == torch.bfloat16
+    assert keys.untyped_storage().data_ptr() not in casts.storages
+
+
 def test_a_compiled_step_under_autocast_reads_each_weight_cast_once():
     """Under bf16 autocast a compiled decoding step's weight products take the weights as cast
     once (DecodeLinear.hold_casts): every linear in the graph dynamo hands the backend reads a
