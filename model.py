@@ -229,6 +229,8 @@ class Rows:
         zeros, never uninitialised memory: a read of whole blocks (kernels._cached_rows) may
         read past the last row, and masks what it read there, which a NaN would survive."""
         n = x.shape[-2]
+        if n == 0 and self.data is not None:  # nothing to write: a traced step's empty write
+            return  # failed to lower for a GPU (a division by its zero size in inductor's Triton indexing)
         # a spare row always: a view never spans the whole buffer, so its layout (contiguous
         # or not) does not change with the step, which a compiled step would guard on
         if self.data is None or self.hi + n >= self.data.shape[-2]:

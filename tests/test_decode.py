@@ -422,6 +422,26 @@ def test_under_autocast_the_cache_keeps_keys_as_attention_reads_them(name):
     assert keys.untyped_storage().data_ptr() not in casts.storages
 
 
+def test_an_empty_append_writes_nothing():
+    """Rows.append of no rows (the indexer's and asga's pending windows, every step) runs no
+    op once the buffer exists: traced, the write of zero rows lowered to a Triton kernel
+    indexed by its zero size, which failed (a division by zero) when compiled for a GPU."""
+    rows = model_module.Rows()
+    rows.append(torch.ones(1, 2, 3, 4))
+
+    class Ops(TorchDispatchMode):
+        ran = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ran.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    empty = torch.ones(1, 2, 3, 4)[..., 3:, :]
+    with Ops() as ops:
+        rows.append(empty)
+    assert ops.ran == [] and len(rows) == 3 and rows.view().eq(1).all()
+
+
 def test_a_compiled_step_under_autocast_reads_each_weight_cast_once():
     """Under bf16 autocast a compiled decoding step's weight products take the weights as cast
     once (DecodeLinear.hold_casts): every linear in the graph dynamo hands the backend reads a
