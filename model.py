@@ -155,7 +155,7 @@ class DecodeLinear(nn.Linear):
         device_type, every cast made again when any weight changed since (its version or its
         storage); drop the casts without autocast. `held`: a dict the caller keeps between
         calls (the key of the casts made): a step whose weights did not change compares one
-        tuple of their versions and storages (50-150 µs for 197 weights on a 2-core CPU). A compiled decoding step reads these casts (`compile_decoding`):
+        tuple of their versions and storages (~150 µs for 197 weights on a busy 2-core CPU). A compiled decoding step reads these casts (`compile_decoding`):
         traced, autocast is a cast of every weight inside the graph, run every step, where
         eager autocast keeps its casts while its region lasts. Under bf16 autocast on a GPU that
         cast was a step's largest read of its weights: each float32 weight read, written as
