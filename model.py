@@ -168,7 +168,7 @@ class DecodeLinear(nn.Linear):
             return
         for m, w in zip(linears, weights):
             w = w.detach()
-            if dtype is None or w.device.type != device_type:
+            if dtype is None or w.device.type != device_type or w.dtype == dtype:  # (nothing to cast)
                 m.cast = None
             elif m.cast is None or m.cast.dtype != dtype or m.cast.shape != w.shape or m.cast.device != w.device:
                 m.cast = w.to(dtype, copy=True)
