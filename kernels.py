@@ -2641,7 +2641,11 @@ def decode_indexer_topk(q_idx, k_idx, w, q_start, k_start, n):
     S = 8192)."""
     B, T, J, d = q_idx.shape
     S = k_idx.shape[1]
-    k, q_rows = k_idx.float(), q_idx.float().reshape(B, T * J, d)
+    # under autocast the products run in its dtype (bmm and einsum are autocast's), so the
+    # cached keys are read as they are: cast to float32 first, they were cast back for the
+    # product, two passes over every cached key a step for the same products, to the bit
+    k = k_idx if torch.is_autocast_enabled(q_idx.device.type) else k_idx.float()
+    q_rows = q_idx.float().reshape(B, T * J, d)
     if k.stride(1) == 1:  # positions the fastest-moving dim
         dots = torch.bmm(q_rows, k.transpose(1, 2)).div_(math.sqrt(d)).relu_().view(B, T, J, S)
         scores = torch.einsum("btjs,btj->bts", dots, w.float())

@@ -442,6 +442,36 @@ def test_an_empty_append_writes_nothing():
     assert ops.ran == [] and len(rows) == 3 and rows.view().eq(1).all()
 
 
+@pytest.mark.parametrize("keys_last", [False, True])
+def test_under_autocast_the_indexer_step_reads_its_cached_keys_uncast(keys_last):
+    """Under autocast the indexer's decoding scores take its cached keys as they are: its
+    products run in the autocast dtype, so a float32 copy of every cached key was cast back
+    for the product each step. The top keys equal those from the float32 copy (the same
+    products), and no cast reads the cached keys."""
+    import kernels
+    g = torch.Generator().manual_seed(3)
+    B, J, d, S, n = 2, 4, 16, 3000, 64
+    keys = torch.randn(B, S, d, generator=g).bfloat16()
+    if keys_last:
+        keys = keys.transpose(1, 2).contiguous().transpose(1, 2)  # positions the fastest-moving dim
+    q, w = torch.randn(B, 1, J, d, generator=g).bfloat16(), torch.randn(B, 1, J, generator=g).bfloat16()
+
+    class Casts(TorchDispatchMode):
+        storages = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.storages.append(args[0].untyped_storage().data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Casts() as casts:
+            got = kernels.decode_indexer_topk(q, keys, w, S, 0, n)
+        want = kernels.decode_indexer_topk(q, keys.float(), w, S, 0, n)
+    assert keys.untyped_storage().data_ptr() not in casts.storages
+    assert torch.equal(got, want)
+
+
 def test_a_compiled_step_under_autocast_reads_each_weight_cast_once():
     """Under bf16 autocast a compiled decoding step's weight products take the weights as cast
     once (DecodeLinear.hold_casts): every linear in the graph dynamo hands the backend reads a
