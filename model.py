@@ -15,6 +15,7 @@ import pickle
 import random
 import re
 import sys
+import time
 import types
 import zipfile
 from dataclasses import dataclass, fields, replace
@@ -97,14 +98,27 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _onednn_linear(x, weight, bias):
+    """oneDNN's linear (the op inductor's own CPU code calls for a linear)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _weight_major_linear(x, weight, bias):
+    """x W^T + b computed as (W x^T)^T: MKL's product with the weight's rows as its long side,
+    where F.linear hands it the few rows of x as that side (on an Intel AVX-512 CPU, 8 rows
+    through qwen-134m's MLP: 0.7-0.85x F.linear's time)."""
+    rows = x.reshape(-1, x.shape[-1]).t()
+    y = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)
+    return y.t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
 @torch.library.custom_op("sparse_attention::decode_linear", mutates_args=())
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear over a dense weight, opaque to inductor: inside a compiled decoding step
-    the weights' products stay oneDNN's (inductor lowers a linear to MKL's mm, and its own
-    lowering of this op takes only weights it packed itself). Qwen-134m's weights, 2 layers,
-    one thread, op by op: 4.05 ms against mm's 5.00 at batch 1, 7.39 against 8.25 at batch 8;
-    compiled steps side by side: 0.93-0.96x at batch 8, unchanged at batch 1."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """`DecodeLinear.product` (the form measured fastest for this size), opaque to inductor:
+    inside a compiled decoding step the weights' products run as the eager step runs them
+    (inductor lowers a linear to MKL's mm; side by side, compiled steps with oneDNN's linear
+    in its place took 0.93-0.96x the time at batch 8 on an AMD CPU)."""
+    return DecodeLinear.product(x, weight, bias)
 
 
 @decode_linear.register_fake
@@ -113,18 +127,26 @@ def _(x, weight, bias):
 
 
 class DecodeLinear(nn.Linear):
-    """nn.Linear whose decode-sized products on a CPU run through oneDNN's linear
-    (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU code calls) instead of MKL's:
-    at most ROWS rows, float32, no gradient, outside autocast; inside a compiled step through
-    `decode_linear`. A step's products over qwen-134m's weights (2 layers, one thread) took
-    0.86x MKL's time at batch 1 and 0.91x at batch 8 on this project's CPU, side by side
-    (docs/performance.md), and they are the floor under every variant's step; larger calls
-    measured 0.87-1.00x and stay on F.linear, as do every gradient, every GPU and any CPU
-    whose torch lacks the op (said once). Model turns its nn.Linear modules into this class
-    in place (the same parameters, ties and state_dict keys), so attention.py reads as
-    nn.Linear; which ran is said once (outside a trace)."""
+    """nn.Linear whose decode-sized products on a CPU (at most ROWS rows, float32, no gradient,
+    outside autocast) run through the fastest of three forms of the same product, measured
+    at the first call of each size (rows, weight shape) on that call's own inputs, in turns:
+    oneDNN's linear, F.linear (MKL, the few rows as the long side) and W x^T (MKL, the
+    weight's rows as the long side). They are the floor under every variant's step, and which
+    is fastest depends on the CPU: on an AMD CPU oneDNN's took 0.86x F.linear's time at batch
+    1 and 0.91x at batch 8; on an Intel AVX-512 CPU oneDNN's took 1.17x F.linear's at batch 1,
+    and W x^T 0.76x at batch 8 (docs/performance.md). The forms round differently, so which
+    one a size got is said once per form (outside a trace), and DECODE_LINEAR=<form> (a name
+    of FORMS) fixes one for a process and its children: two runs then match to the bit.
+    Larger calls, every gradient, every GPU and autocast run F.linear. Inside a compiled step
+    the product is `decode_linear`. Model turns its nn.Linear modules into this class in
+    place (the same parameters, ties and state_dict keys), so attention.py reads as
+    nn.Linear."""
     ROWS = 64
-    usable = None  # whether this torch has the op (checked at the first decode-sized call)
+    FORMS = {"oneDNN": _onednn_linear, "F.linear": F.linear, "W x^T": _weight_major_linear}
+    FORM = os.environ.get("DECODE_LINEAR") or None  # a name of FORMS: every decode-sized product through it
+    MEASURES = 5  # timings of each form at a size's first call (the best of them compared)
+    chosen = {}  # (rows, out_features, in_features, bias) -> the name of its form
+    usable = None  # whether decode-sized products take these forms (False: F.linear; found at the first call)
     path = None
     cast = None  # the weight in a compiled decoding step's autocast dtype (`hold_casts`)
 
@@ -140,15 +162,48 @@ class DecodeLinear(nn.Linear):
                 if DecodeLinear.usable:
                     return decode_linear(x, self.weight, self.bias)
             elif self._usable():
-                try:
-                    y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-                    DecodeLinear._say("oneDNN (torch.ops.mkldnn._linear_pointwise)")
-                    return y
-                except RuntimeError as e:  # an input oneDNN refuses: this call and the next through F.linear
-                    DecodeLinear.usable = False
-                    DecodeLinear._say(f"F.linear (oneDNN refused: {str(e).strip().splitlines()[0][:160]})")
+                return DecodeLinear.product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    @classmethod
+    def product(cls, x, weight, bias):
+        """x W^T + b through FORM, or the form measured fastest for this size."""
+        name = cls.FORM
+        if name is None:
+            key = (x.numel() // x.shape[-1], *weight.shape, bias is not None)
+            name = cls.chosen.get(key) or cls._measure(key, x, weight, bias)
+        elif name not in cls.FORMS:
+            raise ValueError(f"DECODE_LINEAR={name!r} names no form of DecodeLinear.FORMS: pass one of "
+                             f"{', '.join(repr(n) for n in cls.FORMS)}, or unset it to measure them")
+        else:
+            cls._say(f"{name} (DECODE_LINEAR)")
+        return cls.FORMS[name](x, weight, bias)
+
+    @classmethod
+    def _measure(cls, key, x, weight, bias):
+        """The name of the fastest form for this size, each timed MEASURES times on these inputs
+        in turns (the best of each: the first call of a form pays its one-time setup); a form
+        this torch lacks or that refuses the inputs drops out."""
+        times = {}
+        for _ in range(cls.MEASURES):
+            for name, form in cls.FORMS.items():
+                if times.get(name, ()) is None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    form(x, weight, bias)
+                except (RuntimeError, AttributeError):  # (no oneDNN in this torch, or an input it refuses)
+                    times[name] = None
+                    continue
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+        best = {name: min(t) for name, t in times.items() if t}
+        cls.chosen[key] = name = min(best, key=best.get)
+        if name not in {cls.chosen[k] for k in cls.chosen if k != key}:  # each form said once, where it first wins
+            rows, out, inp, _ = key
+            cls._say(f"{name} for {rows} x {inp} -> {out}, the fastest at that size's first call ("
+                     + ", ".join(f"{n} {1e3 * t:.3f} ms" for n, t in sorted(best.items(), key=lambda kv: kv[1]))
+                     + "; DECODE_LINEAR=<form> fixes one)")
+        return name
     @staticmethod
     def hold_casts(linears, device_type, held):
         """Give each DecodeLinear of `linears` its weight in the autocast dtype now active on
@@ -179,9 +234,7 @@ class DecodeLinear(nn.Linear):
     @classmethod
     def _usable(cls):
         if cls.usable is None:
-            cls.usable = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            if not cls.usable:
-                cls._say("F.linear (this torch has no oneDNN linear)")
+            cls.usable = True
         return cls.usable
 
     @classmethod

@@ -15,6 +15,10 @@ os.environ.setdefault("ASGA_COMPILED_GATE", "0")
 # Likewise the dots with selected cache rows (kernels.GatheredDots): the suite counts and checks the
 # eager ops; tests/test_decode.py checks the compiled loop against them.
 os.environ.setdefault("DECODE_COMPILED_GATHER", "0")
+# Decode-sized CPU products through one fixed form (model.DecodeLinear): the form measured
+# fastest can change with the machine's load from run to run, and the forms round apart;
+# tests/test_decode.py checks the measuring and every form.
+os.environ.setdefault("DECODE_LINEAR", "F.linear")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

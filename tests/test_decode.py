@@ -366,10 +366,11 @@ def test_decoding_through_the_compiled_gathered_rows_equals_recomputation(name):
         kernels.GatheredDots.COMPILE = old
 
 
-def test_a_compiled_step_keeps_its_products_with_the_weights_on_onednn():
-    """Inside a compiled decoding step every weight product is model.decode_linear (oneDNN's
-    linear, opaque to inductor, which would lower it to MKL's mm): the graph dynamo hands the
-    backend calls it once per nn.Linear of the model, and calls no other linear or matmul."""
+def test_a_compiled_step_keeps_its_products_with_the_weights_as_the_eager_step_runs_them():
+    """Inside a compiled decoding step every weight product is model.decode_linear (the form
+    DecodeLinear measured fastest, opaque to inductor, which would lower it to MKL's mm): the
+    graph dynamo hands the backend calls it once per nn.Linear of the model, and calls no
+    other linear or matmul."""
     from torch._dynamo.backends.debugging import aot_eager
     from torch._guards import CompileContext
     graphs = {}  # by compile id: a restarted analysis hands the backend one graph twice
@@ -517,33 +518,76 @@ def test_a_compiled_step_under_autocast_reads_each_weight_cast_once():
     assert max(worst) < 1e-6, worst
 
 
-def test_decode_sized_products_run_through_onednn_and_equal_f_linear(capsys):
+def test_decode_sized_products_take_the_form_measured_fastest_once_a_size(capsys, monkeypatch):
     """Every nn.Linear of a Model is a DecodeLinear (the same parameters, ties and state_dict
-    keys); a no-grad float32 call of a few rows on a CPU runs oneDNN's linear and says so, and
-    equals F.linear; a call with a gradient, or of more rows, is F.linear itself."""
+    keys). With no form fixed (DECODE_LINEAR unset), a no-grad float32 call of a few rows on a
+    CPU times each form of DecodeLinear.FORMS at its size's first call, runs the fastest and
+    says which, and times nothing more at that size; a call with a gradient, or of more rows,
+    is F.linear itself. The forms here are stand-ins: the slow ones sleep and answer wrong."""
+    import time
+
+    DecodeLinear = model_module.DecodeLinear
     torch.manual_seed(0)
     model = Model(ModelConfig(**SIZES, attn="nsa", kernel="fused"))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is model_module.DecodeLinear for m in linears)
+    assert linears and all(type(m) is DecodeLinear for m in linears)
     assert model.lm_head.weight is model.embed_tokens.weight
     fresh = Model(ModelConfig(**SIZES, attn="nsa", kernel="fused"))
     assert fresh.load_state_dict(model.state_dict()) is not None
+    calls = []
+
+    def form(name, delay, wrong):
+        def run(x, weight, bias):
+            calls.append(name)
+            time.sleep(delay)
+            return torch.nn.functional.linear(x, weight, bias) + wrong
+        return run
+    monkeypatch.setattr(DecodeLinear, "FORMS", {"slow": form("slow", 0.004, 1.0), "fast": form("fast", 0.0, 0.0),
+                                                "slower": form("slower", 0.008, 2.0)})
+    for name, value in (("FORM", None), ("chosen", {}), ("path", None)):
+        monkeypatch.setattr(DecodeLinear, name, value)
     layer = model.layers[0].self_attn.branch_gate  # a bias too
     x = torch.randn(3, 1, layer.in_features)
-    model_module.DecodeLinear.path = None
     with torch.no_grad():
         y = layer(x)
-    assert "oneDNN" in capsys.readouterr().err
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
-        layer(x)  # a gradient: F.linear
-        with torch.no_grad():
-            layer(torch.randn(2, model_module.DecodeLinear.ROWS, layer.in_features))  # a prefill's rows
-            layer(x)
-    assert len(calls) == 1
+        assert sorted(calls) == sorted(["slow", "slower", "fast"] * DecodeLinear.MEASURES + ["fast"])
+        assert f"fast for 3 x {layer.in_features} -> {layer.out_features}" in capsys.readouterr().err
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        calls.clear()
+        layer(x)  # the same size: measured already
+        assert calls == ["fast"]
+        calls.clear()
+        layer(x[:2])  # a size of its own
+        assert len(calls) == 3 * DecodeLinear.MEASURES + 1 and calls[-1] == "fast"
+        calls.clear()
+        layer(torch.randn(2, DecodeLinear.ROWS, layer.in_features))  # a prefill's rows: F.linear
+    layer(x)  # a gradient: F.linear
+    assert calls == []
+
+
+def test_every_decode_linear_form_equals_f_linear(capsys, monkeypatch):
+    """Each form of DecodeLinear.FORMS, fixed as DECODE_LINEAR fixes one, computes F.linear
+    (to float32 rounding) with and without a bias, for one row and for several, and says it
+    runs; a name that is no form is refused, naming them."""
+    DecodeLinear = model_module.DecodeLinear
+    torch.manual_seed(0)
+    with_bias, without = torch.nn.Linear(48, 40), torch.nn.Linear(48, 24, bias=False)
+    for module in (with_bias, without):
+        module.__class__ = DecodeLinear
+    monkeypatch.setattr(DecodeLinear, "path", None)
+    with torch.no_grad():
+        for name in DecodeLinear.FORMS:
+            monkeypatch.setattr(DecodeLinear, "FORM", name)
+            for layer in (with_bias, without):
+                for x in (torch.randn(1, 1, 48), torch.randn(5, 1, 48), torch.randn(2, 3, 48)):
+                    y = layer(x)
+                    assert y.shape == (*x.shape[:-1], layer.out_features) and y.is_contiguous()
+                    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                               rtol=1e-5, atol=1e-6)
+            assert f"{name} (DECODE_LINEAR)" in capsys.readouterr().err
+        monkeypatch.setattr(DecodeLinear, "FORM", "mkl")
+        with pytest.raises(ValueError, match="DECODE_LINEAR='mkl' names no form.*'oneDNN', 'F.linear', 'W x\\^T'"):
+            without(torch.randn(1, 48))
 
 
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "caa"])
