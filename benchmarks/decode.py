@@ -35,6 +35,10 @@ What is printed, per variant and T:
   Above the table, what no variant's step avoids: the weights' products alone, one token
   at batch 1 and at --batch (`weight_products`), and the first over the time to read the
   weights once.
+- ops a step: the aten ops one eager one-token step at batch 1 dispatches, views left out
+  (counted in an untimed step after the first; the eager step's even under --compile): on
+  a GPU each launches a kernel or a few, and an eager step there costs its launches
+  (benchmarks/gpu_runs/h200_2026-11-28b.md: `full`'s 2-layer step 2.4-2.7 ms at any cache).
 
 --compile: each model's one-token steps through `model.compile_decoding` (torch.compile,
 dynamic shapes; caa stays eager, said in its row), its caches made with a fixed capacity, and
@@ -56,6 +60,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -138,6 +143,27 @@ def weight_products(layers, vocab, device, batch, repeats=5):
     return 1e3 * statistics.median(times[1:])
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched, views left out: what an eager step computes op by op.
+    On a GPU each launches a kernel (or a few), and an eager step is launch-bound there."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(model, cache, device):
+    """The aten ops (views left out) of one eager one-token step at the cache's batch."""
+    token = torch.zeros((cache[0].k.view().shape[0], 1), dtype=torch.long, device=device)
+    with OpCounter() as counter:
+        model(token, cache=cache)
+    return counter.ops
+
+
 def clock(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -208,6 +234,7 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
         prefill = clock(args.device) - t0
         nbytes = cache[0].nbytes()
         decode_steps(step, cache, 1, warm, args.device)
+        ops = step_ops(model, cache, args.device)  # eager, untimed: a step's ops (launches, on a GPU)
         one, full_one = turns(step, cache, beside and beside["one"], 1, args)
         kept = copy.deepcopy(cache) if keep else None
         for layer in cache:
@@ -219,7 +246,7 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     weights = sum(p.numel() * elem for p in model.parameters())
     row = dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes, step=how,
                decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
-               reads_per_layer=reads, weight_bytes=weights,
+               reads_per_layer=reads, weight_bytes=weights, ops_per_step=ops,
                read_bandwidth=read_bandwidth(max(weights + args.layers * reads, BANDWIDTH_BYTES), args.device))
     if beside:
         row.update(full_decode_ms=[1e3 * t for t in full_one], full_decode_batch_ms=[1e3 * t for t in full_many])
@@ -243,8 +270,8 @@ def table(rows, args, bandwidth):
     """The Markdown table of `rows`, each relative to full's at the same T."""
     by = {(r["T"], r["variant"]): r for r in rows}
     out = [f"| variant | T | prefill s | x full | decode ms, batch 1 (spread) | x full | decode ms, batch "
-           f"{args.batch} (spread) | x full | cache MB/layer | reads MB/layer | x bound |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"{args.batch} (spread) | x full | cache MB/layer | reads MB/layer | x bound | ops a step (eager) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in args.lengths:
         base = by.get((T, "full"))
         for name in args.variants:
@@ -252,7 +279,7 @@ def table(rows, args, bandwidth):
             if r is None:
                 continue
             if "skipped" in r:
-                out.append(f"| {name} | {T} | skipped: {r['skipped']} |" + " |" * 8)
+                out.append(f"| {name} | {T} | skipped: {r['skipped']} |" + " |" * 9)
                 continue
             one, many = statistics.median(r["decode_ms"]), statistics.median(r["decode_batch_ms"])
             bound_ms = 1e3 * (r["weight_bytes"] + args.layers * r["reads_per_layer"]) / r.get("read_bandwidth", bandwidth)
@@ -265,7 +292,7 @@ def table(rows, args, bandwidth):
                        f"| {one:.1f} ({spread(r['decode_ms'])}) | {rel(one, 'decode_ms')} "
                        f"| {many:.1f} ({spread(r['decode_batch_ms'])}) | {rel(many, 'decode_batch_ms')} "
                        f"| {r['cache_bytes_per_layer'] / MB:.1f} | {r['reads_per_layer'] / MB:.2f} "
-                       f"| {one / bound_ms:.2f} |")
+                       f"| {one / bound_ms:.2f} | {r.get('ops_per_step', '-')} |")
     return "\n".join(out)
 
 

@@ -315,7 +315,7 @@ def test_gpu_check_profile_times_the_compiled_core(monkeypatch):
 def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     """benchmarks/decode.py at two short lengths: one row per variant and T with the prefill
     and the decoding steps at both batches, full's ratio 1 and each ratio its median over
-    full's; the cache's bytes are what KVCache.nbytes says (local's window, full's every key);
+    full's, and an eager step's ops; the cache's bytes are what KVCache.nbytes says (local's window, full's every key);
     a rerun keeps the saved rows, and a length whose extrapolated prefill exceeds --budget is
     skipped with the reason printed."""
     out = tmp_path / "decode.json"
@@ -339,6 +339,8 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
                                             / statistics.median(nsa["full_decode_ms"]), abs=0.006)
     assert float(cells[7]) == pytest.approx(statistics.median(nsa["decode_batch_ms"])
                                             / statistics.median(nsa["full_decode_batch_ms"]), abs=0.006)
+    # an eager step's aten ops (views left out): nsa's selection and its three branches are more than full's one softmax
+    assert nsa["ops_per_step"] > full["ops_per_step"] > 0 and int(cells[-1]) == nsa["ops_per_step"]
     assert "| full | 64 | " in r.stdout and "| 1.00 |" in r.stdout.split("| full | 64 |")[1].split("\n")[0]
     floor = re.search(r"the weights' products alone .*: ([\d.]+) ms at batch 1 = ([\d.]+)x .*; ([\d.]+) ms at batch 8",
                       r.stdout)
