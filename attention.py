@@ -177,7 +177,10 @@ class AttentionConfig:
 # ---------------------------------------------------------------------------- conventions
 
 class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+    """Qwen3's RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in float32. F.rms_norm
+    is that formula: on a CPU the same five ops in the same order (the same bits), on a GPU
+    one fused kernel where the formula launched five (4 launches fewer a norm: 36 of the
+    135 in an eager one-token step of a 2-layer `full`, docs/performance.md)."""
 
     def __init__(self, dim, eps=1e-6):
         super().__init__()
@@ -185,10 +188,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(pos, head_dim, theta):

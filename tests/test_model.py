@@ -265,6 +265,27 @@ def test_meta_model_is_the_runs_model_without_loading_dynamo():
     assert r.stdout.split()[-1] == "False", "building a meta model imported torch._dynamo"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_qwen3s_formula_to_the_bit(dtype):
+    """RMSNorm runs F.rms_norm (one fused kernel on a GPU); on a CPU that is Qwen3's formula,
+    x / sqrt(mean(x^2) + eps) in float32, cast back, times the weight: the same output and
+    gradients, bit for bit, in float32 and bf16 (an eps dropped or the weight applied before
+    the cast would show)."""
+    torch.manual_seed(0)
+    norm = attention.RMSNorm(48, eps=0.25)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = (torch.randn(3, 5, 48) * 0.4).to(dtype).requires_grad_()
+    y = norm(x)
+    x2 = x.detach().clone().requires_grad_()
+    xf = x2.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 0.25)).to(dtype)
+    assert y.dtype == ref.dtype and torch.equal(y, ref)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, norm.weight), dy)
+    gx2, gw2 = torch.autograd.grad(ref, (x2, norm.weight), dy)
+    assert torch.equal(gx, gx2) and torch.equal(gw, gw2)
+
+
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_matches_huggingface_qwen3(n_kv_head):
     """Same weights, same logits as transformers' Qwen3ForCausalLM (eps, RoPE convention,
