@@ -23,6 +23,29 @@ import kernels as kernels_of_this_process
 ROOT = Path(__file__).resolve().parent.parent
 
 
+CUDA_BUILD = torch.backends.cuda.is_built()
+
+
+@pytest.mark.skipif(CUDA_BUILD, reason="this torch is CUDA's build: gpu_launches.py runs here (the next test)")
+def test_gpu_launches_refuses_a_cpu_build_naming_what_to_install():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_launches.py")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "is not built with CUDA (install torch's CUDA build; no GPU is needed)" in r.stderr, \
+        r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason="counting a GPU step's launches on fake CUDA tensors needs torch's CUDA "
+                    "build (no GPU): the CPU wheel cannot make a CUDA tensor, fake or not")
+def test_gpu_launches_counts_one_fused_kernel_a_norm_and_nsas_selection_on_top_of_fulls_step():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_launches
+    full, nsa = gpu_launches.count("full", 64), gpu_launches.count("nsa", 64)
+    # 2 layers x (2 block norms + q_norm + k_norm) + the final norm: one kernel each, none of the formula's five
+    assert full["_fused_rms_norm"] == 9 and "rsqrt" not in full and "mean" not in full, full
+    assert full["mm"] >= 14  # the 2 layers' 7 products each, counted on the fake GPU as on a real one
+    assert sum(nsa.values()) > sum(full.values()) and "topk" in nsa, nsa
+
+
 def test_train_step_quick_json(tmp_path):
     out = tmp_path / "train_step.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--quick", f"--out={out}"],
