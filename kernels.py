@@ -1200,13 +1200,16 @@ def query_chunks(T, per_query, budget, device="cpu"):
 
 
 def _softmax_or_zero(logits, mask):
-    """attention.softmax_or_zero: float32 softmax over the allowed entries, 0 for a row with none
-    (mask None: every entry allowed)."""
+    """attention.softmax_or_zero without its gradient (every caller here runs without one):
+    float32 softmax over the allowed entries, 0 for a row with none (mask None: every entry
+    allowed). A row with none gives NaN in the softmax, replaced by zeros after it, where the
+    definition first set that row's logits to 0 (to keep NaN out of its gradient): four ops
+    where it took seven, and a decoding step runs this once per softmax (on a GPU, each op a
+    launch). The same bits for every row with an allowed entry."""
     if mask is None:
         return torch.softmax(logits.float(), dim=-1)
-    some = mask.any(-1, keepdim=True)
-    logits = logits.float().masked_fill(~mask, NEG_INF).masked_fill(~some, 0.0)
-    return torch.softmax(logits, dim=-1) * some
+    p = torch.softmax(torch.where(mask, logits.float(), NEG_INF), dim=-1)
+    return torch.where(mask.any(-1, keepdim=True), p, 0.0)
 
 
 def _seen(C, last, length, stride):

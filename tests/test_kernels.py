@@ -809,3 +809,18 @@ def test_top_n_narrows_large_cpu_calls_of_long_rows(monkeypatch):
     assert taken == [("floats", few), ("narrowed", many)]
     assert kernels.BLOCKWISE.indexer_topk.keywords == {"narrow": True}
     assert kernels.FLEX.indexer_topk is kernels.chunked_indexer_topk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_or_zero_is_the_definitions_to_the_bit(dtype):
+    """kernels._softmax_or_zero (four ops) equals attention.softmax_or_zero (seven) bit for bit:
+    rows with some keys allowed, a row with none (zeros, not NaN), a row with one."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 3, 5, 17) * 4).to(dtype)
+    mask = torch.rand(2, 3, 5, 17) < 0.5
+    mask[0, 0, 0] = False  # no key allowed
+    mask[1, 2, 4] = False
+    mask[1, 2, 4, 3] = True  # one
+    got, want = kernels._softmax_or_zero(logits, mask), attention.softmax_or_zero(logits, mask)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    assert not got[0, 0, 0].any() and got[1, 2, 4, 3] == 1
