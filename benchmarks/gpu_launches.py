@@ -1,6 +1,6 @@
 """What an eager decoding step launches on a GPU, counted on a CPU: every variant's one-token
 step (benchmarks/decode.py's model: qwen-134m's widths, 2 layers, batch 1) run on fake CUDA
-tensors, each aten op it dispatches counted, views and ops that return no tensor left out.
+tensors, each aten op it dispatches that computes a tensor on the GPU counted (views left out).
 
     python benchmarks/gpu_launches.py                         # T = 2048, every variant
     python benchmarks/gpu_launches.py --lengths=2048,8192 --variants=full,nsa --bf16
@@ -24,6 +24,7 @@ import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,23 +33,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import ORDER, build  # noqa: E402
 
 
-NO_KERNEL = {torch.ops.aten._unsafe_view.default}  # a reshape's view whose schema does not say so
+# a reshape's view whose schema does not say so; a Python scalar wrapped as a 0-dim tensor
+# (torch.where(m, x, 0.0) on fake tensors; on a GPU the kernel takes it as an argument)
+NO_KERNEL = {torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default}
 
 
 class LaunchCounter(TorchDispatchMode):
-    """The aten ops dispatched that compute a tensor (views, and ops returning a dtype or a
-    device, left out), by name."""
+    """The aten ops dispatched that compute a tensor on the GPU, by name (views, ops returning
+    a dtype or a device, and NO_KERNEL left out)."""
 
     def __init__(self):
         super().__init__()
         self.ops = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func in NO_KERNEL) and any(isinstance(r.type, torch.TensorType)
-                                                           for r in func._schema.returns):
+        out = func(*args, **(kwargs or {}))
+        on_gpu = any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in pytree.tree_leaves(out))
+        if on_gpu and not (func.is_view or func in NO_KERNEL):
             name = func._schema.name.split("::")[-1]
             self.ops[name] = self.ops.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def cuda_build():
