@@ -200,20 +200,30 @@ def rope_cos_sin(pos, head_dim, theta):
     return emb.cos(), emb.sin()
 
 
-def rope_tables(start, T, head_dim, theta, device):
-    """rope_cos_sin of the positions start .. start + T - 1, the last few answers kept for a
-    call with the same arguments (outside a compiled graph, which computes them in place, and
-    outside inference mode, whose tensors autograd could not use later): a decoding step asks
-    the indexer's (`LightningIndexer.rope`) for one position four times, for its queries and
-    its keys in each layer, each a dozen small ops."""
-    keep = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
-    tables = _kept_rope_tables if keep else _kept_rope_tables.__wrapped__
-    return tables(start, T, head_dim, theta, torch.device(device))
+class RopeTable:
+    """rope_cos_sin of positions 0 .. n - 1, computed once: `table(start, T, device)` is the
+    rows of positions start .. start + T - 1, two views, the numbers rope_cos_sin computes
+    for them (the same elementwise ops). A decoding step's RoPE then costs two slices, where
+    computing it for the step's one position took a dozen small ops (on a GPU a kernel launch
+    each), in every step (nanochat precomputes its rotary table likewise). n doubles past the
+    positions asked for; a table on another device is made anew. Inside a compiled graph the
+    positions asked for are computed in place (inductor fuses them into the step's kernels)."""
 
+    MIN_POSITIONS = 4096
 
-@functools.lru_cache(maxsize=4)
-def _kept_rope_tables(start, T, head_dim, theta, device):
-    return rope_cos_sin(torch.arange(start, start + T, device=device), head_dim, theta)
+    def __init__(self, head_dim, theta):
+        self.head_dim, self.theta = head_dim, theta
+        self.cos = self.sin = None
+
+    def __call__(self, start, T, device):
+        if torch.compiler.is_compiling():
+            return rope_cos_sin(torch.arange(start, start + T, device=device), self.head_dim, self.theta)
+        if self.cos is None or self.cos.device != device or self.cos.shape[0] < start + T:
+            n = max(self.MIN_POSITIONS, 1 << (start + T - 1).bit_length())
+            # a plain tensor even when first asked for in inference mode: training reads it later
+            with torch.inference_mode(False), torch.no_grad():
+                self.cos, self.sin = rope_cos_sin(torch.arange(n, device=device), self.head_dim, self.theta)
+        return self.cos[start:start + T], self.sin[start:start + T]
 
 
 def apply_rope(x_BHTD, cos, sin):
@@ -1469,7 +1479,8 @@ class LightningIndexer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         J, d = cfg.index_heads, cfg.index_head_dim
-        self.n_head, self.head_dim, self.theta = J, d, cfg.rope_theta
+        self.n_head, self.head_dim = J, d
+        self.rope_table = RopeTable(d // 2, cfg.rope_theta)
         self.q_proj = nn.Linear(cfg.d_model, J * d, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, d, bias=False)
         self.k_norm = nn.LayerNorm(d)
@@ -1478,7 +1489,7 @@ class LightningIndexer(nn.Module):
     def rope(self, x, start):
         """RoPE on the first half of the last dim of x (B, T, .., d), positions start .."""
         T, half = x.shape[1], self.head_dim // 2
-        cos, sin = rope_tables(start, T, half, self.theta, x.device)
+        cos, sin = self.rope_table(start, T, x.device)
         shape = (T,) + (1,) * (x.dim() - 3) + (half,)  # broadcast over the heads, if any
         rotated = apply_rope(x[..., :half], cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype))
         return torch.cat([rotated, x[..., half:]], dim=-1)

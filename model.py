@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.fx.experimental._config  # noqa: F401 - compile_decoding patches its duck sizing
 import torch.nn.functional as F
 
-from attention import VARIANTS, AttentionConfig, RMSNorm, rope_cos_sin
+from attention import VARIANTS, AttentionConfig, RMSNorm, RopeTable
 
 
 @dataclass
@@ -444,6 +444,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope_table = RopeTable(cfg.head_dim, cfg.rope_theta)  # cos, sin, computed once
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # std 0.02 everywhere (PyTorch's N(0, 1) embedding tied to the head made CPU steps 7x
@@ -475,8 +476,7 @@ class Model(nn.Module):
         With `cache` (from `new_cache()`), idx continues the tokens already cached."""
         B, T = idx.shape
         start = 0 if cache is None else cache[0].end  # position of idx[:, 0], a Python int
-        pos = torch.arange(start, start + T, device=idx.device)
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = self.rope_table(start, T, idx.device)
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos.to(x.dtype), sin.to(x.dtype), start, None if cache is None else cache[i])

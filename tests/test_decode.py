@@ -142,10 +142,11 @@ def test_the_cache_is_written_in_place():
     assert sizes <= {2 * 100, 2 * (W + 1)}, sizes
 
 
-def test_an_indexer_step_computes_its_rope_tables_once(monkeypatch):
-    """The indexer asks for its RoPE tables (its queries', its keys', in each layer) at one
-    position per step: they are computed once (attention.rope_tables keeps them), beside
-    the model's own, not four times; decoding still equals recomputation."""
+def test_a_step_computes_no_rope_tables(monkeypatch):
+    """A decoding step reads its RoPE cos and sin from the tables made by the prefill (the
+    model's, and the indexer's for its queries and keys in each layer): rope_cos_sin is not
+    called in a step, where it was computed four times for the indexer and once for the
+    model; decoding still equals recomputation."""
     import attention
 
     torch.manual_seed(0)
@@ -157,10 +158,28 @@ def test_an_indexer_step_computes_its_rope_tables_once(monkeypatch):
     with torch.no_grad():
         cache = model.new_cache()
         model(idx[:, :50], cache=cache)
+        # one table each: the model's, and each layer's indexer's
+        assert sorted(calls) == sorted([SIZES["head_dim"]] + [SIZES["index_head_dim"] // 2] * 2), calls
         calls.clear()
         model(idx[:, 50:51], cache=cache)
-    assert calls.count(SIZES["index_head_dim"] // 2) <= 1, calls  # 4 without rope_tables
+    assert calls == [], calls
     assert decodes_as_recomputed(model, idx, 50)
+
+
+def test_rope_table_rows_are_rope_cos_sin_of_their_positions():
+    """The table's rows for start .. start + T - 1 are rope_cos_sin of those positions, past
+    its first size too (it grows), and after a move to another device (a new table)."""
+    import attention
+
+    table = attention.RopeTable(64, 10000.0)
+    for start, T in [(0, 7), (5, 1), (4095, 1), (4095, 3), (9000, 20), (0, 1)]:
+        cos, sin = table(start, T, torch.device("cpu"))
+        want_cos, want_sin = attention.rope_cos_sin(torch.arange(start, start + T), 64, 10000.0)
+        torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-6)
+    assert table.cos.shape[0] == 16384  # grown by doubling to hold position 9019
+    table.cos = table.cos.to("meta")  # as if made on another device: made anew here
+    assert table(3, 2, torch.device("cpu"))[0].device.type == "cpu"
 
 
 def decodes_as_recomputed(model, idx, prefill):

@@ -96,11 +96,11 @@ def scores_loop(module, x):
         for s in range(T):
             raw = ix.k_proj.weight @ x[b, s]
             normed = (raw - raw.mean()) / torch.sqrt(raw.var(unbiased=False) + ix.k_norm.eps)
-            keys.append(rope_first_half(normed * ix.k_norm.weight + ix.k_norm.bias, s, ix.theta))
+            keys.append(rope_first_half(normed * ix.k_norm.weight + ix.k_norm.bias, s, ix.rope_table.theta))
         for t in range(T):
             qs = (ix.q_proj.weight @ x[b, t]).view(J, d)
             w = (ix.weights_proj.weight @ x[b, t]) / math.sqrt(J)
-            qs = [rope_first_half(qs[j], t, ix.theta) for j in range(J)]
+            qs = [rope_first_half(qs[j], t, ix.rope_table.theta) for j in range(J)]
             for s in range(t + 1):
                 out[b, t, s] = sum(w[j].item() * max(0.0, (qs[j] @ keys[s]).item() / math.sqrt(d)) for j in range(J))
     return out
