@@ -824,3 +824,23 @@ def test_softmax_or_zero_is_the_definitions_to_the_bit(dtype):
     got, want = kernels._softmax_or_zero(logits, mask), attention.softmax_or_zero(logits, mask)
     assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
     assert not got[0, 0, 0].any() and got[1, 2, 4, 3] == 1
+
+
+@pytest.mark.parametrize("layout", ["cache", "padded_heads", "one_key_head"])
+def test_cached_rows_name_each_query_heads_key_rows(layout):
+    """kernels._cached_rows' row indices read x[b, h // G, first + i] for every batch row b
+    and query head h: on a cache's layout (heads one after another in each batch row, spare
+    capacity after each head's rows), and on views whose batch stride is not the heads'
+    (the two-arange form), with G = 2 query heads a key head, and with one key head."""
+    B, S, D = 3, 10, 4
+    x = {"cache": torch.randn(B, 4, 16, D)[:, :, 2:2 + S],
+         "padded_heads": torch.randn(B, 5, S, D)[:, :4],
+         "one_key_head": torch.randn(B, 2, S, D)[:, 1:]}[layout]
+    Hkv = x.shape[1]
+    H = 2 * Hkv
+    first = torch.randint(0, S - 3, (B, H, 2))
+    table, rows, pos = kernels._cached_rows(x, H, first, length=3)
+    got = table[rows]  # (B, H, 2, 3, D)
+    want = torch.stack([torch.stack([x[b, h // 2, pos[b, h].flatten()].view(2, 3, D) for h in range(H)])
+                        for b in range(B)])
+    assert torch.equal(got, want)
