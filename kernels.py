@@ -122,6 +122,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def inductor_cache_per_cpu_capability():
@@ -452,6 +453,16 @@ def gate_tile_grads(qt, kt, dz):
     return d_hidden.sum(3), d_hidden.sum(2), (F.gelu(hidden) * dz).sum((2, 3))
 
 
+def compiled_helper_usable():
+    """Whether this file's torch.compile'd CPU helpers (GateTile, GatheredDots) may be called:
+    not under a Python dispatch mode (an op counter, a profiler's or a benchmark's, fake
+    tensors), where they run their uncompiled maths. Called once under one, a compiled helper
+    ran its later calls uncompiled too, after the mode had ended: the indexer's prefill at
+    16384 took 69-76 s after one counted nsa step in the process, against 19 s (benchmarks/
+    decode.py counts a step's ops so, and its indexer row at 32768 read 2.5-2.7x `full`'s)."""
+    return not is_in_torch_dispatch_mode()
+
+
 class GateTile:
     """asga's gate over one (query block x key chunk) tile, forward and backward: compiled
     (`gate_tile_logits` and `gate_tile_grads` through torch.compile, inductor's C++ on CPU:
@@ -521,7 +532,10 @@ class GateTile:
     @classmethod
     def run_compiled(cls, compiled, which, *args):
         """compiled[which](*args) (0 logits, 1 grads) outside a tile (a decoding step's gate);
-        should a new shape fail to compile, the uncompiled function, and the failure said."""
+        should a new shape fail to compile, the uncompiled function, and the failure said.
+        Under a dispatch mode, the uncompiled function (`compiled_helper_usable`)."""
+        if not compiled_helper_usable():
+            return (gate_tile_logits, gate_tile_grads)[which](*args)
         try:
             return compiled[which](*args)
         except Exception as e:
@@ -2416,7 +2430,7 @@ class GatheredDots:
         launches, not bytes, the eager form: not yet timed there)."""
         if torch.compiler.is_compiling():  # in a compiled step: the loop inductor makes of it there
             return _gathered_dots(q, table, rows)
-        fn = cls._compile() if q.device.type == "cpu" else None
+        fn = cls._compile() if q.device.type == "cpu" and compiled_helper_usable() else None
         if fn is not None:
             # every size may vary but D's, a head's width: with D fixed the loop over a row is
             # unrolled (1.6x faster than with D a symbol). maybe_: a size of 1 stays specialised

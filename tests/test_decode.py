@@ -759,3 +759,33 @@ def test_each_compiled_model_keeps_its_own_graphs(monkeypatch):
                     step(idx[:, t:t + 1].clone(), cache=cache)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_compiled_helper_called_under_a_dispatch_mode_stays_compiled_after_it():
+    """kernels.GatheredDots called inside a TorchDispatchMode (decode.py counts a step's ops in
+    one) runs its uncompiled maths there, and its calls after the mode still run the compiled
+    loop: without the guard, one call under a mode left every later call uncompiled (the
+    profiler then shows the eager form's aten::index of every named row)."""
+    from torch.profiler import profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    kernels, old = gathered_ops(True)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, table = torch.randn(12, 16, generator=g), torch.randn(500, 16, generator=g)
+        rows = torch.randint(0, 500, (12, 40), generator=g)
+        want = (q[:, None, :] * table[rows]).sum(-1)
+        torch.testing.assert_close(kernels.GatheredDots.run(q, table, rows), want)  # compiles
+        with Passing():
+            torch.testing.assert_close(kernels.GatheredDots.run(q[:6], table, rows[:6]), want[:6])
+        with profile() as prof:
+            torch.testing.assert_close(kernels.GatheredDots.run(q, table, rows), want)
+        ran = {e.key for e in prof.key_averages()}
+        assert "aten::index" not in ran, sorted(ran)
+        assert any("Compiled" in name for name in ran), sorted(ran)
+    finally:
+        kernels.GatheredDots.COMPILE = old
