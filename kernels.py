@@ -2357,12 +2357,13 @@ def _cached_rows(x, H, first, length=1):
     """The rows x[b, h // G, first[b, h] + i] for i < length as indices into `table`, x's
     storage seen as (N, D) rows (a view, no copy): (table, rows (B, H, .., length) long, pos
     (.., length) the positions asked for); x (B, Hkv, S, D) a KV cache's view, H query heads
-    (G = H / Hkv of them read a key head), first (B or 1, H or 1, ..) long. A position < 0 or >= S (another head's row, spare capacity, or past the
-    view's last row, clamped to it) is the caller's to mask. Rows, not elements: a row's D
-    values are contiguous, so its address is one multiply-add (advanced indexing computed
-    each element's offset: 3 ms for nsa's 8 x 32 keys a head at batch 8, 12 heads).
-    `GatheredDots` and `gathered_sum` read the rows where they lie. Sizes and strides only (no
-    storage or pointer queries): a compiled decoding step traces it whole."""
+    (G = H / Hkv of them read a key head), first (B or 1, H or 1, ..) long. A position < 0
+    or >= S (another head's row, spare capacity, or past the view's last row, clamped to it)
+    is the caller's to mask. Rows, not elements: a row's D values are contiguous, so its
+    address is one multiply-add (advanced indexing computed each element's offset: 3 ms for
+    nsa's 8 x 32 keys a head at batch 8, 12 heads). `GatheredDots` and `gathered_sum` read
+    the rows where they lie. Sizes and strides only (no storage or pointer queries): a
+    compiled decoding step traces it whole."""
     if not _rows_contiguous(x):
         x = x.contiguous()
     B, Hkv, S, D = x.shape
@@ -2594,7 +2595,8 @@ def decode_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     q, k, v = _same_dtype(q, k, v)
     B, H, T, D = q.shape
     k_table, k_rows, v_table, v_rows, pos = _cached_kv_rows(k, v, H, blocks * block - k_start, block)  # the blocks alone
-    q_pos = torch.arange(q_start - k_start, q_start - k_start + T, device=q.device)[:, None, None]  # each query as a key index
+    first = q_start - k_start  # the first query as a key index
+    q_pos = torch.arange(first, first + T, device=q.device)[:, None, None]  # each query's key index
     # (B, H, T, n, block): a key of a listed block (an empty slot's, -1's, lie before
     # position 0), listed once, cached and seen (so < S)
     ok = ~repeated(blocks)[..., None] & (pos >= 0) & (pos <= q_pos)
