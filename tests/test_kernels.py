@@ -844,3 +844,38 @@ def test_cached_rows_name_each_query_heads_key_rows(layout):
     want = torch.stack([torch.stack([x[b, h // 2, pos[b, h].flatten()].view(2, 3, D) for h in range(H)])
                         for b in range(B)])
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["keys_last", "rows"])
+def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
+    """kernels.keys_times equals torch.bmm (query rows times K^T) for keys stored along the
+    positions (a CPU cache's keys_last, spare capacity after each row) and as rows of D, with
+    one query row and with several, D a multiple of KEY_STREAMS and not. Along the positions
+    with several rows, no bmm it runs reads more than KEY_STREAMS rows of K^T; as rows, or
+    with one query row, it runs one bmm."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Bmms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.depths = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.bmm.default:
+                self.depths.append(args[1].shape[1])  # the rows of K^T it reads
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    N, S, streams = 3, 50, kernels.KEY_STREAMS
+    for D in (2 * streams, 2 * streams + streams // 2):
+        kT = (torch.randn(N, D, S + 7, generator=g)[..., :S] if layout == "keys_last"
+              else torch.randn(N, S, D, generator=g).transpose(1, 2))
+        for R in (1, 4):
+            rows = torch.randn(N, R, D, generator=g)
+            with Bmms() as seen:
+                got = kernels.keys_times(rows, kT)
+            torch.testing.assert_close(got, torch.bmm(rows, kT), rtol=1e-5, atol=1e-5)
+            if layout == "keys_last" and R > 1:
+                assert len(seen.depths) == math.ceil(D / streams) and max(seen.depths) <= streams
+            else:
+                assert seen.depths == [D]
