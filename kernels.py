@@ -2345,15 +2345,15 @@ KEY_STREAMS = 32
 def keys_times(rows, kT):
     """rows @ kT (N, R, S): query rows (N, R, D) times cached keys kT (N, D, S). Where the keys
     lie along the positions (a CPU cache's `keys_last`, kT.stride(-1) == 1), R >= 2 float32
-    rows take the product over D in pieces of KEY_STREAMS rows of kT, summed: BLAS's product
-    with a few rows reads every row of kT at once, a stream each, more than an Intel CPU's
-    prefetcher follows (AVX-512 host, one thread, cold: rows of 32768 keys, D = 64, 4 rows
-    2.5 ms whole, 1.3 ms in two pieces, a sum over the keys 1.1; batch 8, 19 ms -> 8.3). One
-    row is BLAS's matrix-vector product, which streams at a sum's speed: whole. Autocast's
+    rows on a CPU take the product over D in pieces of KEY_STREAMS rows of kT, summed: BLAS's
+    product with a few rows reads every row of kT at once, a stream each, more than an Intel
+    CPU's prefetcher follows (AVX-512 host, one thread, cold: rows of 32768 keys, D = 64, 4
+    rows 2.5 ms whole, 1.3 ms in two pieces, a sum over the keys 1.1; batch 8, 19 ms -> 8.3).
+    One row is BLAS's matrix-vector product, which streams at a sum's speed: whole. Autocast's
     lower-precision products stay whole (each piece would round to its dtype)."""
     D = kT.shape[1]
-    if (rows.shape[1] == 1 or D <= KEY_STREAMS or kT.stride(-1) != 1 or rows.dtype != torch.float32
-            or torch.is_autocast_enabled(rows.device.type)):
+    if (rows.device.type != "cpu" or rows.shape[1] == 1 or D <= KEY_STREAMS or kT.stride(-1) != 1
+            or rows.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
         return _bmm(rows, kT)
     out = _bmm(rows[..., :KEY_STREAMS], kT[:, :KEY_STREAMS])
     for d0 in range(KEY_STREAMS, D, KEY_STREAMS):

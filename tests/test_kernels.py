@@ -851,8 +851,8 @@ def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
     """kernels.keys_times equals torch.bmm (query rows times K^T) for keys stored along the
     positions (a CPU cache's keys_last, spare capacity after each row) and as rows of D, with
     one query row and with several, D a multiple of KEY_STREAMS and not. Along the positions
-    with several rows, no bmm it runs reads more than KEY_STREAMS rows of K^T; as rows, or
-    with one query row, it runs one bmm."""
+    with several rows, no bmm it runs reads more than KEY_STREAMS rows of K^T; as rows, with
+    one query row, or off a CPU (meta tensors), it runs one bmm."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Bmms(TorchDispatchMode):
@@ -879,3 +879,6 @@ def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
                 assert len(seen.depths) == math.ceil(D / streams) and max(seen.depths) <= streams
             else:
                 assert seen.depths == [D]
+            with Bmms() as seen:  # off a CPU (a GPU's cache lies as rows): whole, whatever the strides
+                kernels.keys_times(rows.to("meta"), kT.to("meta"))
+            assert seen.depths == [D]
