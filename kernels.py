@@ -2337,22 +2337,23 @@ def _bmm(a, b):
     return cache_bmm(a, b) if torch.compiler.is_compiling() and not torch.is_grad_enabled() else torch.bmm(a, b)
 
 
-# keys_times: a CPU product of a few query rows with keys stored along the positions reads
-# at most KEY_STREAMS of the D rows of K^T at once
-KEY_STREAMS = 32
+# keys_times: a CPU product of 2 to KEY_ROWS query rows with keys stored along the positions
+# reads at most KEY_STREAMS of the D rows of K^T at once
+KEY_STREAMS, KEY_ROWS = 32, 16
 
 
 def keys_times(rows, kT):
     """rows @ kT (N, R, S): query rows (N, R, D) times cached keys kT (N, D, S). Where the keys
-    lie along the positions (a CPU cache's `keys_last`, kT.stride(-1) == 1), R >= 2 float32
-    rows on a CPU take the product over D in pieces of KEY_STREAMS rows of kT, summed: BLAS's
-    product with a few rows reads every row of kT at once, a stream each, more than an Intel
-    CPU's prefetcher follows (AVX-512 host, one thread, cold: rows of 32768 keys, D = 64, 4
-    rows 2.5 ms whole, 1.3 ms in two pieces, a sum over the keys 1.1; batch 8, 19 ms -> 8.3).
-    One row is BLAS's matrix-vector product, which streams at a sum's speed: whole. Autocast's
-    lower-precision products stay whole (each piece would round to its dtype)."""
-    D = kT.shape[1]
-    if (rows.device.type != "cpu" or rows.shape[1] == 1 or D <= KEY_STREAMS or kT.stride(-1) != 1
+    lie along the positions (a CPU cache's `keys_last`, kT.stride(-1) == 1), 2 to KEY_ROWS
+    float32 rows on a CPU take the product over D in pieces of KEY_STREAMS rows of kT, summed:
+    BLAS's product with a few rows reads every row of kT at once, a stream each, more than an
+    Intel CPU's prefetcher follows (AVX-512 host, one thread, cold caches, D = 64: 4 rows x
+    32768 keys 2.5 ms whole, 1.3 ms in two pieces, a sum over the keys 1.1; at 16384 keys the
+    pieces took 0.48-0.59 of the whole product's time at 2-4 rows, 0.62-0.83 at 8-16, 0.97-1.79
+    at 24). One row is BLAS's matrix-vector product, which streams at a sum's speed: whole.
+    Autocast's lower-precision products stay whole (each piece would round to its dtype)."""
+    D, R = kT.shape[1], rows.shape[1]
+    if (rows.device.type != "cpu" or not 2 <= R <= KEY_ROWS or D <= KEY_STREAMS or kT.stride(-1) != 1
             or rows.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
         return _bmm(rows, kT)
     out = _bmm(rows[..., :KEY_STREAMS], kT[:, :KEY_STREAMS])

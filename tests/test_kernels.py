@@ -850,9 +850,10 @@ def test_cached_rows_name_each_query_heads_key_rows(layout):
 def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
     """kernels.keys_times equals torch.bmm (query rows times K^T) for keys stored along the
     positions (a CPU cache's keys_last, spare capacity after each row) and as rows of D, with
-    one query row and with several, D a multiple of KEY_STREAMS and not. Along the positions
-    with several rows, no bmm it runs reads more than KEY_STREAMS rows of K^T; as rows, with
-    one query row, or off a CPU (meta tensors), it runs one bmm."""
+    one query row, a few and more than KEY_ROWS, D a multiple of KEY_STREAMS and not. Along the
+    positions with 2 to KEY_ROWS rows, no bmm it runs reads more than KEY_STREAMS rows of K^T;
+    as rows, with one query row or more than KEY_ROWS, or off a CPU (meta tensors), it runs
+    one bmm."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Bmms(TorchDispatchMode):
@@ -870,12 +871,12 @@ def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
     for D in (2 * streams, 2 * streams + streams // 2):
         kT = (torch.randn(N, D, S + 7, generator=g)[..., :S] if layout == "keys_last"
               else torch.randn(N, S, D, generator=g).transpose(1, 2))
-        for R in (1, 4):
+        for R in (1, 4, kernels.KEY_ROWS + 1):
             rows = torch.randn(N, R, D, generator=g)
             with Bmms() as seen:
                 got = kernels.keys_times(rows, kT)
             torch.testing.assert_close(got, torch.bmm(rows, kT), rtol=1e-5, atol=1e-5)
-            if layout == "keys_last" and R > 1:
+            if layout == "keys_last" and 1 < R <= kernels.KEY_ROWS:
                 assert len(seen.depths) == math.ceil(D / streams) and max(seen.depths) <= streams
             else:
                 assert seen.depths == [D]
