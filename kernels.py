@@ -2347,10 +2347,11 @@ def keys_times(rows, kT):
     lie along the positions (a CPU cache's `keys_last`, kT.stride(-1) == 1), 2 to KEY_ROWS
     float32 rows on a CPU take the product over D in pieces of KEY_STREAMS rows of kT, summed:
     BLAS's product with a few rows reads every row of kT at once, a stream each, more than an
-    Intel CPU's prefetcher follows (AVX-512 host, one thread, cold caches, D = 64: 4 rows x
-    32768 keys 2.5 ms whole, 1.3 ms in two pieces, a sum over the keys 1.1; at 16384 keys the
-    pieces took 0.48-0.59 of the whole product's time at 2-4 rows, 0.62-0.83 at 8-16, 0.97-1.79
-    at 24). One row is BLAS's matrix-vector product, which streams at a sum's speed: whole.
+    Intel CPU's prefetcher follows (benchmarks/keys_product.py, AVX-512 host, one thread, cold
+    caches: 4 rows x 64 x 32768 keys 2.9 ms whole, 1.8 in two pieces, a sum over the keys 1.3;
+    the pieces / the whole, 12 key heads x 16384 keys: 0.52-0.56 at 2-4 rows, 0.70-0.71 at
+    8-16, 0.71-0.90 at 24, 1.35 at 32, 3.38 at 64). One row is BLAS's matrix-vector product,
+    which streams at a sum's speed: whole.
     Autocast's lower-precision products stay whole (each piece would round to its dtype)."""
     D, R = kT.shape[1], rows.shape[1]
     if (rows.device.type != "cpu" or not 2 <= R <= KEY_ROWS or D <= KEY_STREAMS or kT.stride(-1) != 1

@@ -469,3 +469,15 @@ def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
     for c in "ab":
         mine = [float(words[4]) for words in said if words[2] == f"{c}:"]
         assert rows["local", "64", c][0] == f"{statistics.median(mine):.2f}"
+
+
+def test_keys_product_prints_each_shapes_forms_after_checking_they_agree():
+    """benchmarks/keys_product.py --quick: one row per shape, each form's time beside the sum's,
+    after it has checked that the pieces and keys_times equal the whole product (it exits
+    non-zero where they do not)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "keys_product.py"), "--quick"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert [row.split(" | ")[:4] for row in rows] == [["| 1", "4", "64", "2048"], ["| 2", "24", "64", "2048"]]
+    assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[5:])
