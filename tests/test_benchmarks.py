@@ -481,3 +481,69 @@ def test_keys_product_prints_each_shapes_forms_after_checking_they_agree():
     rows = [line for line in r.stdout.splitlines() if re.match(r"\| \d", line)]
     assert [row.split(" | ")[:4] for row in rows] == [["| 1", "4", "64", "2048"], ["| 2", "24", "64", "2048"]]
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[5:])
+
+
+# what the device tool gives a session (/work/.library/device/README.md): one command of at most
+# 2,000 characters running at most 600 s, 15 minutes of device time in all
+DEVICE_COMMAND_CHARS, DEVICE_CALL_S, DEVICE_SESSION_S = 2000, 600, 900
+
+
+def prepared_gpu_calls():
+    """(record, [command, ...]): the indented commands under "## The next run" of the newest GPU
+    run record in benchmarks/gpu_runs (newest by the date in its name, then its letter)."""
+    records = sorted(ROOT.glob("benchmarks/gpu_runs/*_20*.md"), key=lambda p: p.stem.split("_", 1)[1])
+    record = next(p for p in reversed(records) if "\n## The next run" in p.read_text())
+    section = record.read_text().split("\n## The next run", 1)[1].split("\n## ", 1)[0]
+    return record, ["\n".join(line[4:] for line in block.splitlines())
+                    for block in re.findall(r"(?:^    .*\n?)+", section, re.M) if "python3" in block]
+
+
+def test_the_prepared_gpu_call_parses_and_fits_the_device_limits(monkeypatch, tmp_path):
+    """The call a GPU sitting runs first, as its record prints it: every script and test file
+    it names exists, every benchmark accepts its flags (main(argv) parsed, nothing run), every
+    command has its own timeout, and each call fits one device command (characters, seconds)
+    and all of them the session's device time. A renamed flag found here costs nothing; found
+    on the GPU, it costs the sitting's one call."""
+    import argparse
+    import shlex
+
+    record, calls = prepared_gpu_calls()
+    assert calls, f"{record.name} lists no command under '## The next run'"
+
+    class Parsed(Exception):
+        pass
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise Parsed(parse(self, args, namespace))  # a bad flag exits (SystemExit) inside parse
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    seconds = []
+    for call in calls:
+        assert len(call) <= DEVICE_COMMAND_CHARS, (record.name, len(call))
+        commands = [c.strip() for c in call.replace("(", ";").replace(")", ";").replace("\n", ";").split(";")]
+        commands = [c for c in commands if "python3" in c]
+        limits = [int(m) for c in commands for m in re.findall(r"^(?:\w+=\S+ )*timeout (\d+) ", c)]
+        assert len(limits) == len(commands), f"{record.name}: a command without its own timeout: {commands}"
+        seconds.append(sum(limits))
+        assert seconds[-1] <= DEVICE_CALL_S, (record.name, seconds[-1])
+        for command in commands:
+            words = shlex.split(command.replace("$OUT", str(tmp_path)))
+            words = words[words.index("python3") + 1:]
+            if words[:2] == ["-m", "pytest"]:
+                files = [w for w in words if w.endswith(".py")]
+                assert files and all((ROOT / f).is_file() for f in files), command
+                continue
+            script = ROOT / words[0]
+            assert script.is_file(), command
+            module = __import__(script.stem)
+            try:
+                module.main(words[1:])
+            except Parsed:
+                continue
+            except SystemExit:  # argparse's error, printed above
+                pytest.fail(f"{record.name}: {script.name} refuses the flags of `{command}`")
+            pytest.fail(f"{script.name}'s main ran without parsing its flags through argparse")
+    assert sum(seconds) <= DEVICE_SESSION_S, (record.name, seconds)
