@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import attention
 import model as model_module
 from model import Model, ModelConfig
 
@@ -422,10 +423,9 @@ def test_a_compiled_step_keeps_its_products_with_the_weights_as_the_eager_step_r
 def test_a_compiled_cpu_step_takes_its_dots_with_the_named_rows_as_one_opaque_op(name):
     """Inside a compiled decoding step on a CPU, the dots of a query with the cache rows its
     selection names are kernels.gathered_dots (the eager step's compiled loop, opaque to
-    inductor), once a layer, and the step's graph indexes no cache rows itself: traced, inductor
-    fused the query's norm and RoPE into its loop over the rows and recomputed them per row
-    (nsa's step at batch 8, T = 8192: 7.8 ms a layer in that loop). The logits equal the
-    eager step's."""
+    inductor), once a selecting layer: traced, inductor fused the query's norm and RoPE into
+    its loop over the rows and recomputed them per row (nsa's step at batch 8, T = 8192: 7.8 ms
+    a layer in that loop). The logits equal the eager step's."""
     from torch._dynamo.backends.debugging import aot_eager
     from torch._guards import CompileContext
     graphs = {}
@@ -445,7 +445,6 @@ def test_a_compiled_cpu_step_takes_its_dots_with_the_named_rows_as_one_opaque_op
             got, want = step(idx[:, -1:], cache)[0], model(idx[:, -1:], cache=eager_cache)[0]
     finally:
         torch._dynamo.reset()
-    import attention
     (targets,) = graphs.values()
     selecting = sum(type(layer.self_attn) is not attention.VARIANTS["full"] for layer in model.layers)
     assert selecting >= 1 and targets.count("sparse_attention.gathered_dots.default") == selecting, sorted(set(targets))
