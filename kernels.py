@@ -1969,7 +1969,9 @@ def flex_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride, bloc
     J = ceil_div(q_start + q.shape[2], block)
     if block_score_kernels(q, length, stride, block)[0] == "triton":
         import kernels_triton
-        q_, k_ = q.detach(), k_cmp.detach()
+        # one dtype, as the torch form's products have: under autocast RoPE hands over a float32
+        # q beside bf16 compressed keys, and a Triton dot of the two does not compile
+        q_, k_ = _same_dtype(q.detach(), k_cmp.detach())
         n = getattr(choose, "keywords", {}).get("n")  # nsa's own choice (a partial of nsa_top_blocks) says its n
         if isinstance(n, int) and n <= kernels_triton.SCORE_TILES[2] and k_cmp.shape[2]:
             blocks = kernels_triton.nsa_top_blocks(q_, k_, scale, q_start, length, stride, block, J, n)

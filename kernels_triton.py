@@ -546,10 +546,19 @@ def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH
     tl.store(OUT + (bk * T + offs_m[:, None]) * NB + tl.arange(0, NB)[None, :], index, mask=offs_m[:, None] < T)
 
 
+def _one_dtype(q, k_cmp):
+    """The kernels take a dot of q and the compressed keys: one dtype, or one clear error
+    (Triton's own is a CompilationError pointing inside the kernel)."""
+    if q.dtype != k_cmp.dtype:
+        raise TypeError(f"nsa's block scores: q is {q.dtype} and the compressed keys {k_cmp.dtype}; cast them to "
+                        f"one dtype first (kernels._same_dtype: autocast's, else the wider)")
+
+
 def block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
     """kernels.chunked_block_scores: (B, H, T, J) float32 block scores ([NSA] eqs. 8-9) of q
     (B, H, T, D) over the compressed keys k_cmp (B, Hkv, C, D), one dtype; 0 for the blocks no
     seen key reaches."""
+    _one_dtype(q, k_cmp)
     B, H, T, D = q.shape
     Hkv, C = k_cmp.shape[1], k_cmp.shape[2]
     covers, per_block = length // stride, block // stride
@@ -567,6 +576,7 @@ def top_blocks(q, k_cmp, scale, q_start, length, stride, block, J, n):
     """attention.nsa_top_blocks(block_scores(...), q_start, block, n, Hkv): (B, Hkv, T, n) long,
     each key head's chosen blocks, highest first, -1 where fewer than n are valid; the scores
     exist one (BM, NB) tile at a time. n <= NB (SCORE_TILES)."""
+    _one_dtype(q, k_cmp)
     B, H, T, D = q.shape
     Hkv, C = k_cmp.shape[1], k_cmp.shape[2]
     covers, per_block = length // stride, block // stride

@@ -230,6 +230,26 @@ def model_choosing_through_the_kernels(device, attn):
     return [path[0], abs(losses[0] - losses[1]), error]
 
 
+def mixed_dtypes_under_autocast(device):
+    """kernels.flex_compressed_branch as nsa's attend calls it under bf16 autocast: RoPE hands
+    over a float32 q beside bf16 compressed keys (a Triton dot of the two does not compile).
+    The blocks the fused kernel chooses equal attention.nsa_top_blocks over the torch form's
+    scores of both in bf16, autocast's dtype (or the error, as text)."""
+    import functools
+    import kernels
+    q, k, scale, q_start, length, stride, block, J = score_inputs(1, 4, 2, 112, 16, (8, 4, 16), 0)
+    choose = functools.partial(attention.nsa_top_blocks, block=block, n=5, n_kv_head=2)
+    try:
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            _, got = kernels.flex_compressed_branch(q.to(device), k.bfloat16().to(device), k.bfloat16().to(device), scale,
+                                                    q_start, length, stride, block, choose)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    want = choose(kernels.chunked_block_scores(q.bfloat16(), k.bfloat16(), scale, q_start, length, stride, block, J),
+                  q_start)
+    return torch.equal(got.cpu(), want)
+
+
 def scores_compiled_equal_eager(kt, device):
     """Each op inside a compiled function (fullgraph: no graph break) gives the eager call's
     scores and blocks (nsa's, and moba's over 4 block means)."""
@@ -271,6 +291,7 @@ def measure(device):
     moba["default tiles, D = 64, k = 4"] = compare_moba(kt, (1, 2, 1, 200, 64, 8, 0, 4), device)
     kt.MOBA_TILES = SMALL_MOBA_TILES if device == "cpu" else default
     return dict(result, scores=scores, choices=choices, moba=moba, scores_compiled=scores_compiled_equal_eager(kt, device),
+                mixed_dtypes=mixed_dtypes_under_autocast(device),
                 models={attn: model_choosing_through_the_kernels(device, attn) for attn in ("nsa", "moba")})
 
 
@@ -346,6 +367,12 @@ def test_nsa_fused_choice_equals_the_choice_over_the_scores(measured, case):
 def test_nsa_block_scores_inside_torch_compile(measured):
     """A compiled block (train.py's) calls the kernels as custom ops, fullgraph, same results."""
     assert measured["scores_compiled"]
+
+
+def test_nsa_choice_takes_a_float32_q_beside_bf16_keys_under_autocast(measured):
+    """As nsa's attend hands them over under bf16 autocast (a GPU run's prefill failed with
+    Triton's CompilationError before both were cast to autocast's dtype)."""
+    assert measured["mixed_dtypes"] is True, measured["mixed_dtypes"]
 
 
 @pytest.mark.parametrize("case", list(MOBA_CASES) + ["default tiles, D = 64, k = 4"])
