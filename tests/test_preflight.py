@@ -89,3 +89,14 @@ def test_a_working_path_is_kept_and_the_check_is_reported(attn, capsys):
     out = capsys.readouterr().out
     assert out.startswith("preflight: kernel=fused") and "matches the reference" in out
     assert kernels_in_use(model) == {"fused"}
+
+
+def test_the_check_runs_on_the_first_preflight_tokens_alone(monkeypatch, capsys):
+    """The reference holds every layer's (T, T) scores: a long run's preflight compares on a
+    prefix (at T = 8192 the whole sequence ran an H200 out of memory)."""
+    monkeypatch.setattr(config, "PREFLIGHT_TOKENS", 16)
+    model, mc, x = setup("local", "fused")
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    assert config.preflight(model, x, mc, RUN, typed=set()) == "fused"
+    assert x.shape[1] == 33 and seen and set(seen) == {16}, seen
