@@ -12,7 +12,8 @@ qwen-134m's attention (12 heads of 64, no GQA), B = 4, bf16 q and compressed key
 attend hands them over (under autocast), the defaults l, d, l' = 16, 8, 32, n = 8. Each row:
 the scores alone, then the chosen blocks (attention.nsa_top_blocks: torch.topk over the
 scores; or the fused kernel), the scores kernel's largest difference from the torch form
-relative to the largest score, and whether all three choose the same blocks.
+relative to the largest score, and the share of rows whose chosen blocks differ from the torch
+form's (float32 sums in another order flip near ties; on an H200 "same blocks" was False).
 """
 import argparse
 import os
@@ -38,7 +39,7 @@ def time_rows(lengths, runs, device, batch):
     print(f"nsa_scores on {name}, torch {torch.__version__}, B={batch} H={H} D={D}, (l, d, l') = "
           f"({LENGTH}, {STRIDE}, {BLOCK}), n = {TOPK}, bf16", flush=True)
     print("\n| T | compressed keys | scores: torch ms | kernel ms | kernel x torch | chosen blocks: torch ms "
-          "| scores kernel + torch.topk ms | fused kernel ms | fused x torch | largest score difference | same blocks |")
+          "| scores kernel + torch.topk ms | fused kernel ms | fused x torch | largest score difference | rows choosing other blocks: kernel + topk / fused |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for T in lengths:
         C = (T - LENGTH) // STRIDE + 1
@@ -54,12 +55,15 @@ def time_rows(lengths, runs, device, batch):
             a, b = scores["torch"](), scores["kernel"]()
             error = ((a - b).abs().max() / a.abs().max()).item()
             del a, b
-            same = torch.equal(chosen["torch"](), chosen["fused"]()) and torch.equal(chosen["torch"](), chosen["kernel"]())
+            # float32 sums in another order move a score by ~1e-7 of the largest: a near tie can
+            # flip, so the share of rows whose chosen blocks differ, not one bool for B H T rows
+            want = chosen["torch"]()
+            differ = {n: (chosen[n]() != want).any(-1).float().mean().item() for n in ("kernel", "fused")}
             ms = {n: timed(f, runs)[0] for n, f in scores.items()}
             ms_n = {n: timed(f, runs)[0] for n, f in chosen.items()}
         print(f"| {T} | {C} | {ms['torch']:.2f} | {ms['kernel']:.2f} | {ms['kernel'] / ms['torch']:.2f} "
               f"| {ms_n['torch']:.2f} | {ms_n['kernel']:.2f} | {ms_n['fused']:.2f} | {ms_n['fused'] / ms_n['torch']:.2f} "
-              f"| {error:.1e} | {same} |", flush=True)
+              f"| {error:.1e} | {100 * differ['kernel']:.3f}% / {100 * differ['fused']:.3f}% |", flush=True)
 
 
 def compile_rows(archs=(90, 80)):
