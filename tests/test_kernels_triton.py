@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -263,36 +264,57 @@ def scores_compiled_equal_eager(kt, device):
     return all(torch.equal(a, b) for a, b in zip(f(q, k), torch.compile(f, fullgraph=True)(q, k)))
 
 
+def attempt(fn, *args):
+    """fn(*args), or {"error": its traceback's last lines}: one check that raises fails its own
+    tests (`got`), not every test of the module through the fixture (a GPU run's 32 errors
+    printed no traceback before the timeout cut pytest)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported by the tests that read this check
+        return {"error": "".join(traceback.format_exc().splitlines(keepends=True)[-12:])}
+
+
+def got(measured, *keys):
+    """measured[keys[0]][keys[1]]..., failing the test with the check's own traceback where it raised."""
+    value = measured
+    for key in keys:
+        value = value[key]
+    if isinstance(value, dict) and set(value) == {"error"}:
+        pytest.fail(f"{'/'.join(keys)} raised:\n{value['error']}", pytrace=False)
+    return value
+
+
 def measure(device):
     import kernels_triton as kt
     default = kt.TILES
     if device == "cpu":
         kt.TILES = SMALL_TILES
-    cases = {name: compare(kt, case, device) for name, case in CASES.items()}
+    cases = {name: attempt(compare, kt, case, device) for name, case in CASES.items()}
     kt.TILES = default  # the tiles a GPU runs (64 x 64 forward, 32 x 32 backward), T not a multiple of them
-    cases["default tiles, D = 64, r = 16"] = compare(kt, DEFAULT_TILES_CASE, device)
+    cases["default tiles, D = 64, r = 16"] = attempt(compare, kt, DEFAULT_TILES_CASE, device)
     kt.TILES = SMALL_TILES if device == "cpu" else default
-    result = dict(cases=cases, no_key_rows=no_key_rows(kt, device), compiled_equals_eager=compiled_equals_eager(kt, device),
-                  model=model_through_the_gpu_path(device))
+    result = dict(cases=cases, no_key_rows=attempt(no_key_rows, kt, device),
+                  compiled_equals_eager=attempt(compiled_equals_eager, kt, device),
+                  model=attempt(model_through_the_gpu_path, device))
     default = kt.SCORE_TILES
     if device == "cpu":
         kt.SCORE_TILES = SMALL_SCORE_TILES
-    scores = {name: compare_scores(kt, case, device) for name, case in SCORE_CASES.items()}
-    choices = {name: compare_choices(kt, case, n, device) for name, (case, n) in CHOICES.items()}
+    scores = {name: attempt(compare_scores, kt, case, device) for name, case in SCORE_CASES.items()}
+    choices = {name: attempt(compare_choices, kt, case, n, device) for name, (case, n) in CHOICES.items()}
     kt.SCORE_TILES = default  # a GPU's tiles: 32 rows, 16 blocks of 4 keys a tile
-    scores["default tiles, D = 64"] = compare_scores(kt, (1, 2, 1, 200, 64, (16, 8, 32), 0, "float32"), device)
-    choices["default tiles, D = 64, n = 4"] = compare_choices(kt, (1, 2, 1, 200, 64, (16, 8, 16), 0, "float32"), 4, device)
+    scores["default tiles, D = 64"] = attempt(compare_scores, kt, (1, 2, 1, 200, 64, (16, 8, 32), 0, "float32"), device)
+    choices["default tiles, D = 64, n = 4"] = attempt(compare_choices, kt, (1, 2, 1, 200, 64, (16, 8, 16), 0, "float32"), 4, device)
     kt.SCORE_TILES = SMALL_SCORE_TILES if device == "cpu" else default
     default = kt.MOBA_TILES
     if device == "cpu":
         kt.MOBA_TILES = SMALL_MOBA_TILES
-    moba = {name: compare_moba(kt, case, device) for name, case in MOBA_CASES.items()}
+    moba = {name: attempt(compare_moba, kt, case, device) for name, case in MOBA_CASES.items()}
     kt.MOBA_TILES = default
-    moba["default tiles, D = 64, k = 4"] = compare_moba(kt, (1, 2, 1, 200, 64, 8, 0, 4), device)
+    moba["default tiles, D = 64, k = 4"] = attempt(compare_moba, kt, (1, 2, 1, 200, 64, 8, 0, 4), device)
     kt.MOBA_TILES = SMALL_MOBA_TILES if device == "cpu" else default
-    return dict(result, scores=scores, choices=choices, moba=moba, scores_compiled=scores_compiled_equal_eager(kt, device),
-                mixed_dtypes=mixed_dtypes_under_autocast(device),
-                models={attn: model_choosing_through_the_kernels(device, attn) for attn in ("nsa", "moba")})
+    return dict(result, scores=scores, choices=choices, moba=moba, scores_compiled=attempt(scores_compiled_equal_eager, kt, device),
+                mixed_dtypes=attempt(mixed_dtypes_under_autocast, device),
+                models={attn: attempt(model_choosing_through_the_kernels, device, attn) for attn in ("nsa", "moba")})
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +334,7 @@ def measured():
 def test_output_and_every_gradient_equal_the_definition(measured, case):
     """float32: within 2e-6 of the float64 definition, relative to each tensor's largest entry
     (measured: 1e-7 to 1e-6; a dropped term or a swapped gradient is off by O(1))."""
-    errors = measured["cases"][case]
+    errors = got(measured, "cases", case)
     assert max(errors.values()) < 2e-6, errors
 
 
@@ -320,14 +342,14 @@ def test_output_and_every_gradient_equal_the_definition(measured, case):
 def test_bf16_inputs_stay_within_bf16s_rounding(measured, case):
     """bf16 q, k, v and gate inputs (their rounding alone moves the result ~1e-2): within 3e-2
     of the float64 definition on the unrounded inputs (measured: 4e-3 to 1.2e-2)."""
-    errors = measured["cases"][case]
+    errors = got(measured, "cases", case)
     assert max(errors.values()) < 3e-2, errors
 
 
 def test_a_row_that_sees_no_key_gives_zero(measured):
     """Queries before the first key see nothing: output 0 and log-sum-exp -inf, as
     FlexAttention gives; the other rows as the definition."""
-    zero, no_lse, rest = measured["no_key_rows"]
+    zero, no_lse, rest = got(measured, "no_key_rows")
     assert zero and no_lse and rest < 1e-5, measured["no_key_rows"]
 
 
@@ -336,14 +358,14 @@ def test_the_op_inside_torch_compile_gives_the_same_gradients(measured):
     them as they are (fullgraph: no graph break) and its gradients are the eager call's;
     inductor asserts each output's strides are the op's fake implementation's (w2's gradient,
     a slice of a padded sum at r = 5, once was not)."""
-    assert measured["compiled_equals_eager"]
+    assert got(measured, "compiled_equals_eager")
 
 
 def test_a_model_on_the_gpu_path_runs_these_kernels_and_trains_as_the_definition(measured):
     """kernel='flex' (the GPU path) hands asga's attention to these kernels, and a 2-layer
     model's loss and every parameter's gradient equal attention.py's as written (float32:
     measured ~1e-6; FlexAttention on a CPU has no backward for q, k, v at all)."""
-    path, loss_diff, grad_error = measured["model"]
+    path, loss_diff, grad_error = got(measured, "model")
     assert path == "triton" and loss_diff < 1e-5 and grad_error < 1e-4, measured["model"]
 
 
@@ -352,7 +374,7 @@ def test_nsa_block_scores_equal_the_torch_form(measured, case):
     """Within 2e-6 of kernels.chunked_block_scores relative to the largest score (measured
     ~1e-7: the online softmax's and the product's rounding; a dropped overlap term, a block
     shifted by one or an unnormalised row is off by O(1)), and the same blocks chosen."""
-    error, largest, same_blocks = measured["scores"][case]
+    error, largest, same_blocks = got(measured, "scores", case)
     assert error < 2e-6 and largest > 0.5 and same_blocks, measured["scores"][case]
 
 
@@ -361,18 +383,18 @@ def test_nsa_fused_choice_equals_the_choice_over_the_scores(measured, case):
     """kernels_triton.top_blocks (eq. 10's sum over a key head's query heads, the forced blocks,
     the valid ones, attention.top_n's tie rule, -1 for the slots no valid block fills: what a
     GPU's nsa runs) chooses every slot as attention.nsa_top_blocks over the torch form's scores."""
-    assert measured["choices"][case], case
+    assert got(measured, "choices", case), case
 
 
 def test_nsa_block_scores_inside_torch_compile(measured):
     """A compiled block (train.py's) calls the kernels as custom ops, fullgraph, same results."""
-    assert measured["scores_compiled"]
+    assert got(measured, "scores_compiled")
 
 
 def test_nsa_choice_takes_a_float32_q_beside_bf16_keys_under_autocast(measured):
     """As nsa's attend hands them over under bf16 autocast (a GPU run's prefill failed with
     Triton's CompilationError before both were cast to autocast's dtype)."""
-    assert measured["mixed_dtypes"] is True, measured["mixed_dtypes"]
+    assert got(measured, "mixed_dtypes") is True, measured["mixed_dtypes"]
 
 
 @pytest.mark.parametrize("case", list(MOBA_CASES) + ["default tiles, D = 64, k = 4"])
@@ -380,7 +402,7 @@ def test_moba_choice_equals_the_definition(measured, case):
     """kernels_triton.moba_blocks (eq. 5's scores in float32, the own block forced, the earlier
     ones ranked by attention.top_n's tie rule, -1 where fewer than k are valid) chooses every
     slot as attention.moba_select."""
-    assert measured["moba"][case], case
+    assert got(measured, "moba", case), case
 
 
 @pytest.mark.parametrize("attn", ["nsa", "moba"])
@@ -388,7 +410,7 @@ def test_a_model_on_the_gpu_path_chooses_through_the_kernel_and_trains_as_the_de
     """kernel='flex' hands nsa's (moba's) choice to its kernel, and a 2-layer model's loss (and
     on CUDA its gradients) equal attention.py's as written (for nsa a block chosen differently
     moved the loss by 4e-5 to 2e-4 at this size: blocks shifted by one, rows not normalised)."""
-    path, loss_diff, grad_error = measured["models"][attn]
+    path, loss_diff, grad_error = got(measured, "models", attn)
     assert path == "triton" and loss_diff < 1e-5 and grad_error < 1e-4, measured["models"][attn]
 
 
