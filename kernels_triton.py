@@ -49,6 +49,13 @@ INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 # 32 x 64 backward tiles spill 300-700 bytes on sm_80). Not yet timed on a GPU; the
 # interpreter's tests use smaller ones.
 TILES = dict(fwd=(64, 64, 8), bwd_kv=(32, 32, 4), bwd_q=(32, 32, 4))
+# The backward: "split", one kernel over key blocks (dk, dv, the key terms') and one over query
+# blocks (dq and the per-row gradients), each computing the gate and its derivative, no atomics
+# (bit-reproducible); or "fused" (`_bwd_fused_kernel`, at bwd_kv's tiles): one pass, the gate
+# once, the per-row gradients by atomic adds. On an H200 the split pair took 60 of asga's 74 ms
+# at T = 4096 (benchmarks/gpu_runs/h200_2026-12-04.md); the fused one is not yet timed there
+# (`python benchmarks/asga_kernel.py --backward=split,fused`). ASGA_BACKWARD=fused chooses it.
+BACKWARD = os.environ.get("ASGA_BACKWARD", "split")
 
 
 @triton.jit
@@ -268,6 +275,60 @@ def _bwd_q_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DQT, DSC, DB2
     tl.store(DW2 + (bh * tl.num_programs(0) + pid_m) * RP + units, dw2)
 
 
+@triton.jit
+def _bwd_fused_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DK, DV, DQT, DKT, DSC, DB2, DW2, T, S, H, HKV,
+                      q_start, k_start, D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PROB: tl.constexpr,
+                      IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """`BACKWARD = "fused"`: both backward kernels' work in one pass over key blocks, the gate
+    and its derivative computed once per pair where the split pair computes them twice. A key
+    block keeps dk, dv, its key terms' and w2's gradients in registers (as `_bwd_kv_kernel`);
+    each tile adds its rows' dq, query terms', scale's and b2's gradients into DQ, DQT, DSC,
+    DB2 (zeroed) by atomic adds: FlashAttention-2's dq, a (BM, D + r + 2) block a tile, not one
+    add a score as FlexAttention's captured tensors take. Not bit-reproducible: float32 adds
+    land in any order."""
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    kvh, sc, b2, qt_ptr, kt_ptr, w2_ptr = _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
+    dk = tl.zeros((BN, D), tl.float32)
+    dv = tl.zeros((BN, D), tl.float32)
+    dkt = tl.zeros((BN, RP), tl.float32)
+    dw2 = tl.zeros((RP,), tl.float32)
+    units = tl.arange(0, RP)
+    lo = tl.maximum(0, k_start + pid_n * BN - q_start)  # the first query that sees this block
+    for m0 in range((lo // BM) * BM, T, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        rows = bh * T + offs_m
+        q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
+        lse, delta = _row_stats(LSE, DELTA, bh, offs_m, T)
+        qk, p, dm, da, dz, sig = _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs_m,
+                                                offs_n, T, S, q_start, k_start, R, PROB, IEEE, BM, BN)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+        dk += _dot(tl.trans((da * sc).to(q.dtype)), q, IEEE)
+        tl.atomic_add(DQ + rows[:, None] * D + offs_d[None, :], _dot((da * sc).to(k.dtype), k, IEEE),
+                      mask=offs_m[:, None] < T)
+        tl.atomic_add(DSC + rows, tl.sum(da * qk, 1), mask=offs_m < T)
+        if PROB:
+            tl.atomic_add(DB2 + rows, tl.sum(dm * (tl.sigmoid(b2) - sig), 1), mask=offs_m < T)
+        else:
+            tl.atomic_add(DB2 + rows, tl.sum(dz, 1), mask=offs_m < T)
+        dqt = tl.zeros((BM, RP), tl.float32)
+        for c in range(R):
+            gelu, gelu_grad = _gelu_and_grad(_unit_input(qt_ptr, kt_ptr, offs_m, offs_n, T, S, R, c))
+            g = dz * gelu_grad * tl.load(w2_ptr + c)
+            dkt += tl.where(units[None, :] == c, tl.sum(g, 0)[:, None], 0.0)
+            dqt += tl.where(units[None, :] == c, tl.sum(g, 1)[:, None], 0.0)
+            dw2 += tl.where(units == c, tl.sum(tl.sum(dz * gelu, 1), 0), 0.0)
+        tl.atomic_add(DQT + rows[:, None] * R + units[None, :], dqt, mask=(offs_m[:, None] < T) & (units[None, :] < R))
+    out = bh * S * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, dk, mask=offs_n[:, None] < S)
+    tl.store(DV + out, dv, mask=offs_n[:, None] < S)
+    tl.store(DKT + bh * S * R + offs_n[:, None] * R + units[None, :], dkt,
+             mask=(offs_n[:, None] < S) & (units[None, :] < R))
+    tl.store(DW2 + (bh * tl.num_programs(0) + pid_n) * RP + units, dw2)
+
+
 def _launch_args(q, k):
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -292,6 +353,8 @@ def forward(q, k, v, q_term, k_term, w2, b2, scale, q_start, k_start, prob):
 def backward(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_start, prob):
     """The gradients of forward's inputs, float32: dq, dk, dv (dk, dv summed over each key
     head's query heads), dq_term, dk_term, dw2, db2, dscale."""
+    if BACKWARD not in ("split", "fused"):
+        raise ValueError(f"kernels_triton.BACKWARD (ASGA_BACKWARD) is {BACKWARD!r}: 'split' or 'fused'")
     B, H, T, D, Hkv, S = _launch_args(q, k)
     R = q_term.shape[-1]
     RP = triton.next_power_of_2(R)
@@ -302,6 +365,15 @@ def backward(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_st
     BM, BN, warps = TILES["bwd_kv"]
     dk, dv = torch.empty(B, H, S, D, **f32), torch.empty(B, H, S, D, **f32)
     dkt = torch.empty(B, H, S, R, **f32)
+    if BACKWARD == "fused":
+        n_n = triton.cdiv(S, BN)
+        dq, dqt = torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, R, **f32)
+        dsc, db2 = torch.zeros(B, H, T, **f32), torch.zeros(B, H, T, **f32)
+        dw2 = torch.empty(B, H, n_n, RP, **f32)  # a partial sum per key block
+        _bwd_fused_kernel[(n_n, B * H)](
+            q, k, v, q_term, k_term, w2, b2, scale, do, lse, delta, dq, dk, dv, dqt, dkt, dsc, db2, dw2, T, S, H,
+            Hkv, q_start, k_start, **const, BM=BM, BN=BN, num_warps=warps)
+        return _reduced(dq, dk, dv, dqt, dkt, dw2, db2, dsc, Hkv)
     _bwd_kv_kernel[(triton.cdiv(S, BN), B * H)](
         q, k, v, q_term, k_term, w2, b2, scale, do, lse, delta, dk, dv, dkt, T, S, H, Hkv, q_start, k_start,
         **const, BM=BM, BN=BN, num_warps=warps)
@@ -313,10 +385,17 @@ def backward(do, q, k, v, q_term, k_term, w2, b2, scale, out, lse, q_start, k_st
     _bwd_q_kernel[(n_m, B * H)](
         q, k, v, q_term, k_term, w2, b2, scale, do, lse, delta, dq, dqt, dsc, db2, dw2, T, S, H, Hkv,
         q_start, k_start, **const, BM=BM, BN=BN, num_warps=warps)
+    return _reduced(dq, dk, dv, dqt, dkt, dw2, db2, dsc, Hkv)
+
+
+def _reduced(dq, dk, dv, dqt, dkt, dw2, db2, dsc, Hkv):
+    """The kernels' gradients summed to their inputs' shapes: dk, dv over each key head's query
+    heads, w2's over its partial sums, b2's and the scale's over batch and rows."""
+    B, H, S, D = dk.shape
     if Hkv != H:  # each key head's gradient sums its query heads'
         dk, dv = (t.view(B, Hkv, H // Hkv, S, D).sum(2) for t in (dk, dv))
     # Each contiguous, as the op's fake implementation (what a compiled graph plans with) says.
-    return dq, dk, dv, dqt, dkt, dw2.sum((0, 2))[:, :R].contiguous(), db2.sum((0, 2)), dsc.sum((0, 2))
+    return dq, dk, dv, dqt, dkt, dw2.sum((0, 2))[:, :dqt.shape[-1]].contiguous(), db2.sum((0, 2)), dsc.sum((0, 2))
 
 
 # As custom ops, so a compiled model (train.py compiles each block) calls the kernels as they

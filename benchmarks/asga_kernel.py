@@ -4,6 +4,7 @@ compiled for sm_90 and sm_80 with ptxas's registers and spills for each.
 
     python benchmarks/asga_kernel.py                       # on a GPU: ms and x SDPA, T = 1024..16384
     python benchmarks/asga_kernel.py --tiles=64,64,8/32,64,4/64,32,4 --tiles=64,32,4/32,32,4/32,32,4
+    python benchmarks/asga_kernel.py --backward=split,fused  # the two backward forms side by side
     python benchmarks/asga_kernel.py --flex                # FlexAttention's too (its compile: minutes)
     python benchmarks/asga_kernel.py --compile             # any machine with triton: sm_90 / sm_80 cubins
 
@@ -80,24 +81,25 @@ def timed(step, runs=10):
     return 1e3 * statistics.median(times), first
 
 
-def time_rows(lengths, tile_sets, flex, device="cuda", runs=10):
+def time_rows(lengths, tile_sets, flex, device="cuda", runs=10, backwards=("split",)):
     import kernels
     import kernels_triton
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton's interpreter: the script checked, not timed)"
     print(f"asga_kernel on {name}, torch {torch.__version__}, B={B} H={H} D={D} r={R}, bf16", flush=True)
     rows = []
+    columns = [(tiles, backward) for tiles in tile_sets for backward in backwards]
     for T in lengths:
         q, k, v, qt, kt, w2, b2, scale = inputs(T, device)
         sdpa, _ = timed(step_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), ()), runs)
         row = dict(T=T, sdpa=sdpa)
-        for i, tiles in enumerate(tile_sets):
-            kernels_triton.TILES = tiles
+        for i, (tiles, backward) in enumerate(columns):
+            kernels_triton.TILES, kernels_triton.BACKWARD = tiles, backward
             call = lambda: kernels_triton.pair_gated_attention(q, k, v, qt, kt, w2, b2, scale, 0, 0)  # noqa: E731
             try:
                 row[f"triton {i}"] = timed(step_fn(call, ()), runs)
             except Exception as e:  # noqa: BLE001 - a tile set that does not fit says so
                 row[f"triton {i}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            print(f"  T={T} tiles {tiles}: {row[f'triton {i}']}", flush=True)
+            print(f"  T={T} tiles {tiles}, {backward} backward: {row[f'triton {i}']}", flush=True)
         if flex:
             kernels.ASGA_KERNEL = "flex"
             call = lambda: kernels.flex_pair_gated_attention(q, k, v, qt, kt, w2, b2, scale, 0, 0)  # noqa: E731
@@ -105,17 +107,17 @@ def time_rows(lengths, tile_sets, flex, device="cuda", runs=10):
             kernels.ASGA_KERNEL = "auto"
             print(f"  T={T} FlexAttention: {row['flex']}", flush=True)
         rows.append(row)
-    print("\n| T | flash SDPA ms | " + " | ".join(f"triton {i}: ms (x SDPA), first s" for i in range(len(tile_sets)))
+    print("\n| T | flash SDPA ms | " + " | ".join(f"triton {i}: ms (x SDPA), first s" for i in range(len(columns)))
           + (" | FlexAttention ms (x SDPA), first s" if flex else "") + " |")
-    print("|---" * (2 + len(tile_sets) + flex) + "|")
+    print("|---" * (2 + len(columns) + flex) + "|")
     for row in rows:
         cells = []
-        for key in [f"triton {i}" for i in range(len(tile_sets))] + (["flex"] if flex else []):
+        for key in [f"triton {i}" for i in range(len(columns))] + (["flex"] if flex else []):
             value = row[key]
             cells.append(value if isinstance(value, str) else f"{value[0]:.2f} ({value[0] / row['sdpa']:.2f}x), {value[1]:.1f}")
         print(f"| {row['T']} | {row['sdpa']:.2f} | " + " | ".join(cells) + " |")
-    for i, tiles in enumerate(tile_sets):
-        print(f"triton {i}: tiles {tiles}")
+    for i, (tiles, backward) in enumerate(columns):
+        print(f"triton {i}: tiles {tiles}, the {backward} backward (kernels_triton.BACKWARD)")
 
 
 def compile_for(fn, pointers, const, arch, warps):
@@ -154,7 +156,9 @@ def compile_rows(tile_sets, archs=(90, 80), gate_spaces=("logit", "prob")):
     kernels = dict(
         fwd=(kt._fwd_kernel, dict(common, O="*bf16", LSE="*fp32")),
         bwd_kv=(kt._bwd_kv_kernel, dict(common, **grads, DK="*fp32", DV="*fp32", DKT="*fp32")),
-        bwd_q=(kt._bwd_q_kernel, dict(common, **grads, DQ="*fp32", DQT="*fp32", DSC="*fp32", DB2="*fp32", DW2="*fp32")))
+        bwd_q=(kt._bwd_q_kernel, dict(common, **grads, DQ="*fp32", DQT="*fp32", DSC="*fp32", DB2="*fp32", DW2="*fp32")),
+        bwd_fused=(kt._bwd_fused_kernel, dict(common, **grads, DQ="*fp32", DK="*fp32", DV="*fp32", DQT="*fp32",
+                                              DKT="*fp32", DSC="*fp32", DB2="*fp32", DW2="*fp32")))
     print("\n| arch | gate space | kernel | tile (rows x keys, warps) | registers | spill stores / loads, bytes | s |")
     print("|---|---|---|---|---|---|---|")
     rows = []
@@ -162,7 +166,7 @@ def compile_rows(tile_sets, archs=(90, 80), gate_spaces=("logit", "prob")):
         for space in gate_spaces:
             for tiles in tile_sets:
                 for name, (fn, pointers) in kernels.items():
-                    BM, BN, warps = tiles[name]
+                    BM, BN, warps = tiles["bwd_kv" if name == "bwd_fused" else name]  # the fused one at bwd_kv's
                     const = dict(D=D, R=R, PROB=space == "prob", IEEE=0, BM=BM, BN=BN)
                     if name != "fwd":
                         const["RP"] = R
@@ -182,6 +186,8 @@ def main(argv=None):
     p.add_argument("--lengths", default="1024,4096,16384")
     p.add_argument("--tiles", action="append", help="fwd/bwd_kv/bwd_q tiles, each 'rows,keys,warps' (repeatable); "
                    "default kernels_triton.TILES")
+    p.add_argument("--backward", default="split", help="comma-separated kernels_triton.BACKWARD forms, each a "
+                   "column per tile set: split (two kernels, no atomics), fused (one, atomic adds)")
     p.add_argument("--flex", action="store_true", help="FlexAttention's kernels too (each length compiles, minutes)")
     p.add_argument("--compile", action="store_true", help="no GPU needed: compile for sm_90 and sm_80, ptxas's counts")
     p.add_argument("--runs", type=int, default=10, help="timed steps per row (the median)")
@@ -193,8 +199,11 @@ def main(argv=None):
     tile_sets = [parse_tiles(t) for t in args.tiles] if args.tiles else [kernels_triton.TILES]
     if args.compile:
         return compile_rows(tile_sets)
+    backwards = args.backward.split(",")
+    if not set(backwards) <= {"split", "fused"}:
+        raise SystemExit(f"--backward={args.backward}: each of split, fused")
     time_rows([int(t) for t in args.lengths.split(",")], tile_sets, args.flex,
-              "cuda" if torch.cuda.is_available() else "cpu", args.runs)
+              "cuda" if torch.cuda.is_available() else "cpu", args.runs, backwards)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """kernels_triton.py's kernels. asga's, against the definition
 (attention.pair_gated_attention): the output and every gradient (q, k, v, the query and key
 terms, w2, b2, the head scale), both gate spaces, GQA, a chunk of queries after a prefix,
-hidden widths that are and are not powers of two, bf16 inputs; the op inside torch.compile.
-nsa's block scores, against kernels.chunked_block_scores (itself held to attention.py's eqs.
+hidden widths that are and are not powers of two, bf16 inputs, both backward forms (split,
+fused); the op inside torch.compile. nsa's block scores, against kernels.chunked_block_scores (itself held to attention.py's eqs.
 8-9 by tests/test_kernels.py): every eq. 9 geometry the config allows, GQA, a chunk after a
 prefix, bf16 inputs, the blocks chosen from them, and a model on the GPU path.
 
@@ -293,7 +293,12 @@ def measure(device):
     kt.TILES = default  # the tiles a GPU runs (64 x 64 forward, 32 x 32 backward), T not a multiple of them
     cases["default tiles, D = 64, r = 16"] = attempt(compare, kt, DEFAULT_TILES_CASE, device)
     kt.TILES = SMALL_TILES if device == "cpu" else default
-    result = dict(cases=cases, no_key_rows=attempt(no_key_rows, kt, device),
+    kt.BACKWARD = "fused"  # the one-pass backward: every case again
+    fused = {name: attempt(compare, kt, case, device) for name, case in CASES.items()}
+    kt.TILES = default
+    fused["default tiles, D = 64, r = 16"] = attempt(compare, kt, DEFAULT_TILES_CASE, device)
+    kt.TILES, kt.BACKWARD = SMALL_TILES if device == "cpu" else default, "split"
+    result = dict(cases=cases, fused=fused, no_key_rows=attempt(no_key_rows, kt, device),
                   compiled_equals_eager=attempt(compiled_equals_eager, kt, device),
                   model=attempt(model_through_the_gpu_path, device))
     default = kt.SCORE_TILES
@@ -344,6 +349,15 @@ def test_bf16_inputs_stay_within_bf16s_rounding(measured, case):
     of the float64 definition on the unrounded inputs (measured: 4e-3 to 1.2e-2)."""
     errors = got(measured, "cases", case)
     assert max(errors.values()) < 3e-2, errors
+
+
+@pytest.mark.parametrize("case", list(CASES) + ["default tiles, D = 64, r = 16"])
+def test_the_fused_backward_equals_the_definition_too(measured, case):
+    """kernels_triton.BACKWARD = "fused" (one pass over key blocks, the per-row gradients by
+    atomic adds): every gradient within the split pair's bounds (float32 2e-6, bf16 3e-2)."""
+    errors = got(measured, "fused", case)
+    bound = 3e-2 if CASES.get(case, ("float32",))[-1] == "bfloat16" else 2e-6
+    assert max(errors.values()) < bound, errors
 
 
 def test_a_row_that_sees_no_key_gives_zero(measured):
@@ -415,8 +429,8 @@ def test_a_model_on_the_gpu_path_chooses_through_the_kernel_and_trains_as_the_de
 
 
 def test_the_kernels_compile_for_h100_and_a100_without_spilling():
-    """Each kernel at its default tiles (kernels_triton.TILES), both gate spaces, compiles to
-    sm_90 and sm_80 cubins (Triton's own compiler and ptxas, no GPU needed) without spilling
+    """Each kernel at its default tiles (kernels_triton.TILES; the fused backward at bwd_kv's),
+    both gate spaces, compiles to sm_90 and sm_80 cubins (Triton's own compiler and ptxas, no GPU needed) without spilling
     registers: the r GELUs per score are what fills them, and a tile or a change that spills
     (32 x 64 backward tiles spill 300-700 bytes on sm_80) runs at local memory's speed."""
     pytest.importorskip("triton", reason="triton is not installed (the CPU wheel of torch comes without it): "
@@ -425,7 +439,7 @@ def test_the_kernels_compile_for_h100_and_a100_without_spilling():
     import asga_kernel
     import kernels_triton
     rows = asga_kernel.compile_rows([kernels_triton.TILES])
-    assert len(rows) == 12 and all(r["error"] is None and r["cubin_bytes"] > 0 for r in rows), rows
+    assert len(rows) == 16 and all(r["error"] is None and r["cubin_bytes"] > 0 for r in rows), rows
     assert all(r["spills"] == (0, 0) for r in rows), [r for r in rows if r["spills"] != (0, 0)]
 
 
