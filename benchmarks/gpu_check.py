@@ -373,7 +373,9 @@ def train_one(name, flags, shape, device, run, tc, autocast, compile_model, time
 
 
 def environment(device):
-    env = dict(torch=torch.__version__, python=sys.version.split()[0], device=device)
+    import torch._inductor.config as inductor_config  # compile_threads: how many kernels compile at once
+    env = dict(torch=torch.__version__, python=sys.version.split()[0], device=device,
+               compile_threads=inductor_config.compile_threads, cpus=os.cpu_count())
     if device.startswith("cuda"):
         env.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
                    gpus=torch.cuda.device_count())
@@ -447,6 +449,19 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+def kernels_compiled():
+    """Kernel binaries in Triton's and inductor's caches now (cubins, shared objects), or None:
+    between two stack prints, whether a long compile is many kernels in turn (the count rises)
+    or one that does not finish (it stays)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        dirs = [os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache"),
+                cache_dir()]
+        return sum(f.endswith((".cubin", ".so")) for d in dirs for _, _, files in os.walk(d) for f in files)
+    except Exception:  # noqa: BLE001 - a diagnostic: never the reason a run stops
+        return None
+
+
 def print_stacks_every(seconds):
     """A thread that prints the main thread's Python stack to stderr every `seconds` (under
     the GIL, from sys._current_frames: faulthandler's watchdog crashed a run that was
@@ -459,7 +474,8 @@ def print_stacks_every(seconds):
         while not stop.wait(seconds):
             frame = sys._current_frames().get(main_id)
             if frame is not None:
-                print(f"--- gpu_check at {time.time() - t0:.0f} s, the main thread:\n"
+                print(f"--- gpu_check at {time.time() - t0:.0f} s, {kernels_compiled()} kernels compiled so far "
+                      f"(Triton's and inductor's caches), the main thread:\n"
                       + "".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=watch, name="gpu_check stacks", daemon=True)

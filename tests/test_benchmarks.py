@@ -227,6 +227,7 @@ def test_gpu_check_stacks_every_prints_where_a_step_is(tmp_path):
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "the main thread:" in r.stderr and "gpu_check.py" in r.stderr, r.stderr[-2000:]
+    assert re.search(r"gpu_check at \d+ s, (\d+|None) kernels compiled so far", r.stderr), r.stderr[-2000:]
 
 
 def test_gpu_check_stacks_thread_is_stopped_before_the_interpreter_exits(capsys):
