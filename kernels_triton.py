@@ -478,8 +478,9 @@ def unsupported(q):
 #
 #   choice   (`top_blocks`, nsa's own eqs. 10-12) one program per (query block, key head) sums
 #            its G query heads' tile scores, forces and masks as attention.nsa_top_blocks does,
-#            and keeps a running top-16 of attention.top_n's int64 keys (score bits, then the
-#            index: the same tie rule), merged with each tile's 16 by tl.topk: the (T, J) scores
+#            and keeps a running top-KEEP of attention.top_n's int64 keys (score bits, then
+#            the index: the same tie rule; KEEP = n rounded up to a power of two), merged with
+#            each tile's own top KEEP by tl.topk: the (T, J) scores
 #            are never stored, and no torch.topk runs over them (moba's, over its block
 #            scores, was the largest kernel of its step at T = 16384 on an H200)
 #
@@ -582,11 +583,12 @@ def _order_key(score, index):
 def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH: tl.constexpr,
                        STRIDE: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, COVERS: tl.constexpr,
                        E: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, KEEP: tl.constexpr):
     """One program per (query block, key head): attention.nsa_top_blocks over the scores, never
     stored. Eq. 10 sums the key head's G query heads' scores; block 0, the row's own and the
-    one before are forced (+inf), blocks after its own invalid (-inf); a running top-NB of
-    attention.top_n's keys, merged with each tile's by tl.topk. STATS (2, B H T): each query
+    one before are forced (+inf), blocks after its own invalid (-inf); a running top-KEEP of
+    attention.top_n's keys (KEEP = n rounded up to a power of two), merged with each tile's
+    own top KEEP by tl.topk. STATS (2, B H T): each query
     head's pass-1 m and 1 / l, kept for its pass 2."""
     pid_m, bk = tl.program_id(0), tl.program_id(1)
     G = H // HKV
@@ -603,7 +605,7 @@ def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH
     tl.debug_barrier()  # the statistics' stores seen by every thread of the program before they are read back
     W = _overlaps(COVERS, PB, NB)
     own = pos // BLOCK
-    empty = _order_key(tl.full([BM, NB], float("-inf"), tl.float32), tl.zeros([BM, NB], tl.int32))  # a -inf slot
+    empty = _order_key(tl.full([BM, KEEP], float("-inf"), tl.float32), tl.zeros([BM, KEEP], tl.int32))  # a -inf slot
     best = empty
     jv_end = tl.minimum(J, last // BLOCK + 1)  # every valid block: the forced own ones too
     for jb in range(0, jv_end, NB - E):
@@ -620,9 +622,11 @@ def _top_blocks_kernel(Q, K, STATS, OUT, T, C, J, H, HKV, q_start, scale, LENGTH
                           (offs_j[None, :] == own[:, None] - 1))
         score = tl.where(forced, float("inf"), tl.where(valid, acc, float("-inf")))
         key = _order_key(score, tl.maximum(offs_j, 0)[None, :] + tl.zeros([BM, NB], tl.int32))
-        best = tl.topk(tl.reshape(tl.join(best, key), [BM, 2 * NB]), NB)
+        if KEEP < NB:
+            key = tl.topk(key, KEEP)  # the tile's own top KEEP: no key outside it can enter the running ones
+        best = tl.topk(tl.reshape(tl.join(best, key), [BM, 2 * KEEP]), KEEP)
     index = tl.where((best >> 32) == (empty >> 32), -1, best & 0xFFFFFFFF)
-    tl.store(OUT + (bk * T + offs_m[:, None]) * NB + tl.arange(0, NB)[None, :], index, mask=offs_m[:, None] < T)
+    tl.store(OUT + (bk * T + offs_m[:, None]) * KEEP + tl.arange(0, KEEP)[None, :], index, mask=offs_m[:, None] < T)
 
 
 def _one_dtype(q, k_cmp):
@@ -660,12 +664,13 @@ def top_blocks(q, k_cmp, scale, q_start, length, stride, block, J, n):
     Hkv, C = k_cmp.shape[1], k_cmp.shape[2]
     covers, per_block = length // stride, block // stride
     BM, BN, NB, warps = SCORE_TILES
-    out = torch.empty(B, Hkv, T, NB, device=q.device, dtype=torch.int64)
+    keep = triton.next_power_of_2(n)  # the running top's slots
+    out = torch.empty(B, Hkv, T, keep, device=q.device, dtype=torch.int64)
     stats = torch.empty(2, B * H * T, device=q.device, dtype=torch.float32)
     _top_blocks_kernel[(triton.cdiv(T, BM), B * Hkv)](
         q.contiguous(), k_cmp.contiguous(), stats, out, T, C, J, H, Hkv, q_start, float(scale),
         LENGTH=length, STRIDE=stride, BLOCK=block, PB=per_block, COVERS=covers, E=int(covers > 1), D=D,
-        BM=BM, BN=BN, NB=NB, IEEE=_precision(q.dtype), num_warps=warps)
+        BM=BM, BN=BN, NB=NB, IEEE=_precision(q.dtype), KEEP=keep, num_warps=warps)
     return out[..., :n]
 
 
@@ -706,15 +711,15 @@ def nsa_block_scores(q, k_cmp, scale, q_start, length, stride, block, J):
 # the own block forced, the top k - 1 of the earlier ones. Through torch ops the (T, J) scores,
 # their (T, J) int64 keys and k passes over them (kernels._top_n's running maxima) each reach
 # memory; here one program per (query block, head) reads its means NB at a time and keeps a
-# running top-K of attention.top_n's keys, K = k rounded up to a power of two (4 at the
-# default k = 4): each tile's NB keys cut to their top K, then merged with the running K, two
+# running top-KEEP of attention.top_n's keys, KEEP = k rounded up to a power of two (4 at
+# the default k = 4): each tile's NB keys cut to their top KEEP, then merged with those, two
 # small sorts where a running top-16 sorted 32 keys a tile (on an H200 at T = 16384 this
 # kernel was the step's largest, 4.2 ms, with the top-16). Forward only, float32.
 
 
 @triton.jit
 def _moba_blocks_kernel(Q, MEANS, OUT, T, FULL, J, H, HKV, q_start, BLOCK: tl.constexpr, D: tl.constexpr,
-                        BM: tl.constexpr, NB: tl.constexpr, K: tl.constexpr):
+                        BM: tl.constexpr, NB: tl.constexpr, KEEP: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kh = ((bh // H) * HKV + (bh % H) // (H // HKV)).to(tl.int64)
     bh = bh.to(tl.int64)
@@ -722,7 +727,7 @@ def _moba_blocks_kernel(Q, MEANS, OUT, T, FULL, J, H, HKV, q_start, BLOCK: tl.co
     offs_d = tl.arange(0, D)
     q = tl.load(Q + (bh * T + offs_m[:, None]) * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
     own = (q_start + offs_m) // BLOCK
-    empty = _order_key(tl.full([BM, K], float("-inf"), tl.float32), tl.zeros([BM, K], tl.int32))
+    empty = _order_key(tl.full([BM, KEEP], float("-inf"), tl.float32), tl.zeros([BM, KEEP], tl.int32))
     best = empty
     j_end = tl.minimum(J, (q_start + tl.minimum(pid_m * BM + BM, T) - 1) // BLOCK + 1)  # the last row's own block
     for j0 in range(0, j_end, NB):
@@ -733,11 +738,11 @@ def _moba_blocks_kernel(Q, MEANS, OUT, T, FULL, J, H, HKV, q_start, BLOCK: tl.co
         earlier = offs_j[None, :] < own[:, None]
         score = tl.where(offs_j[None, :] == own[:, None], float("inf"), tl.where(earlier, s, float("-inf")))
         key = _order_key(score, offs_j[None, :] + tl.zeros([BM, NB], tl.int32))
-        if K < NB:
-            key = tl.topk(key, K)  # the tile's own top K: no key outside it can enter the running top K
-        best = tl.topk(tl.reshape(tl.join(best, key), [BM, 2 * K]), K)
+        if KEEP < NB:
+            key = tl.topk(key, KEEP)  # the tile's own top KEEP: no key outside it can enter the running ones
+        best = tl.topk(tl.reshape(tl.join(best, key), [BM, 2 * KEEP]), KEEP)
     index = tl.where((best >> 32) == (empty >> 32), -1, best & 0xFFFFFFFF)
-    tl.store(OUT + (bh * T + offs_m[:, None]) * K + tl.arange(0, K)[None, :], index, mask=offs_m[:, None] < T)
+    tl.store(OUT + (bh * T + offs_m[:, None]) * KEEP + tl.arange(0, KEEP)[None, :], index, mask=offs_m[:, None] < T)
 
 
 MOBA_TILES = (32, 16, 4)  # (query rows, blocks a tile, warps)
@@ -751,11 +756,11 @@ def moba_blocks(q, means, q_start, block, topk):
     Hkv, full = means.shape[1], means.shape[2]
     BM, NB, warps = MOBA_TILES
     J = -(-(q_start + T) // block)
-    K = triton.next_power_of_2(topk)  # the running top K's slots
-    out = torch.empty(B, H, T, K, device=q.device, dtype=torch.int64)
+    keep = triton.next_power_of_2(topk)  # the running top's slots
+    out = torch.empty(B, H, T, keep, device=q.device, dtype=torch.int64)
     _moba_blocks_kernel[(triton.cdiv(T, BM), B * H)](
         q.float().contiguous(), means.float().contiguous(), out, T, full, J, H, Hkv, q_start, BLOCK=block, D=D,
-        BM=BM, NB=NB, K=K, num_warps=warps)
+        BM=BM, NB=NB, KEEP=keep, num_warps=warps)
     return out[..., :topk]
 
 

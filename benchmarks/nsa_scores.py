@@ -80,7 +80,7 @@ def compile_rows(archs=(90, 80)):
     print("\n| arch | kernel | inputs | D | registers | spill stores / loads, bytes | s |")
     print("|---|---|---|---|---|---|---|")
     kernels = dict(scores=(kt._block_scores_kernel, dict(OUT="*fp32"), {}),
-                   choice=(kt._top_blocks_kernel, dict(STATS="*fp32", OUT="*i64"), dict(BLOCK=BLOCK)))
+                   choice=(kt._top_blocks_kernel, dict(STATS="*fp32", OUT="*i64"), dict(BLOCK=BLOCK, KEEP=TOPK)))
     rows = []
     for arch in archs:
         for d in (64, 128):  # moba's choice (kernels_triton.moba_blocks): float32 q and block means
@@ -88,7 +88,7 @@ def compile_rows(archs=(90, 80)):
             t0 = time.time()
             registers, spills, cubin_bytes, error = compile_for(
                 kt._moba_blocks_kernel, dict(Q="*fp32", MEANS="*fp32", OUT="*i64"),
-                dict(BLOCK=64, D=d, BM=BMm, NB=NBm, K=4), arch, warps_m)  # K: moba_topk = 4's running top 4
+                dict(BLOCK=64, D=d, BM=BMm, NB=NBm, KEEP=4), arch, warps_m)  # moba_topk = 4: a running top 4
             rows.append(dict(arch=arch, kernel="moba choice", dtype="fp32", D=d, registers=registers, spills=spills,
                              cubin_bytes=cubin_bytes, error=error))
             print(f"| sm_{arch} | moba choice | fp32 | {d} | {registers} "

@@ -133,7 +133,8 @@ SCORE_CASES = {
 }
 SMALL_SCORE_TILES = (16, 16, 16, 4)
 # the fused choice: rows with more valid blocks than slots (the scores rank them), and short
-# rows (n = 16: every valid block, forced first, then -1; n = 3: the forced blocks alone)
+# rows (n = 16: every valid block, forced first, then -1; n = 3: the forced blocks alone), and
+# rows whose blocks span several tiles (the running top merged with each tile's)
 CHOICES = {
     "GQA, 7 blocks of 16, n = 5": ((1, 4, 2, 112, 16, (8, 4, 16), 0, "float32"), 5),
     "(16, 8, 16), a chunk after a prefix, n = 4": ((1, 2, 1, 60, 16, (16, 8, 16), 100, "float32"), 4),
@@ -141,6 +142,7 @@ CHOICES = {
     "bf16, n = 5": ((1, 2, 1, 128, 32, (16, 8, 16), 5, "bfloat16"), 5),
     "short rows, GQA, n = 16": ((2, 4, 2, 77, 16, (16, 8, 32), 0, "float32"), 16),
     "short rows, n = 3": ((1, 2, 1, 77, 16, (16, 8, 32), 0, "float32"), 3),
+    "40 blocks of 8 (three tiles merged), GQA, n = 5": ((1, 4, 2, 320, 16, (8, 4, 8), 0, "float32"), 5),
 }
 
 
