@@ -784,8 +784,8 @@ def preflight_on(tc, device):
 def preflight(raw_model, x, mc, run, typed):
     """On CUDA (or --preflight=on): before the first step, run the chosen attention path's
     forward and backward on a slice of real data (x: (B, T) tokens, the first PREFLIGHT_TOKENS
-    of each row, as the run's autocast runs it) against the reference path (kernel='ref', attention.py), and check the loss and
-    every gradient. Where the chosen path raises (a kernel the GPU's compiler rejects, as
+    of each row, as the run's autocast runs it) against the reference path (kernel='ref',
+    attention.py), and check the loss and every gradient. Where the chosen path raises (a kernel the GPU's compiler rejects, as
     asga's learned gate did on torch 2.13) or disagrees beyond rounding, the run switches to
     the first of FALLBACKS that passes and says so in one line; a --kernel typed on the command
     line stops the run with that line instead. Every rank checks every path and the ranks

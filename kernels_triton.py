@@ -202,20 +202,38 @@ def _backward_tile(q, k, v, do, lse, delta, sc, b2, qt_ptr, kt_ptr, w2_ptr, offs
 
 
 @triton.jit
+def _key_block(K, V, kvh, pid_n, S, q_start, k_start, D: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr):
+    """A backward program's key block: (its key offsets, the head dim's, the hidden units',
+    its keys and values, the first query block that sees it)."""
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
+    lo = tl.maximum(0, k_start + pid_n * BN - q_start)  # the first query that sees this block
+    return offs_n, offs_d, tl.arange(0, RP), k, v, (lo // BM) * BM
+
+
+@triton.jit
+def _store_key_grads(DK, DV, DKT, dk, dv, dkt, bh, offs_n, offs_d, units, S, R: tl.constexpr, D: tl.constexpr):
+    """A key block's dk, dv and key terms' gradients, kept in registers over its query blocks."""
+    out = bh * S * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, dk, mask=offs_n[:, None] < S)
+    tl.store(DV + out, dv, mask=offs_n[:, None] < S)
+    tl.store(DKT + bh * S * R + offs_n[:, None] * R + units[None, :], dkt,
+             mask=(offs_n[:, None] < S) & (units[None, :] < R))
+
+
+@triton.jit
 def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, S, H, HKV, q_start, k_start,
                    D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PROB: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     kvh, sc, b2, qt_ptr, kt_ptr, w2_ptr = _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
+    offs_n, offs_d, units, k, v, first = _key_block(K, V, kvh, pid_n, S, q_start, k_start, D, RP, BM, BN)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dkt = tl.zeros((BN, RP), tl.float32)
-    units = tl.arange(0, RP)
-    lo = tl.maximum(0, k_start + pid_n * BN - q_start)  # the first query that sees this block
-    for m0 in range((lo // BM) * BM, T, BM):
+    for m0 in range(first, T, BM):
         offs_m = m0 + tl.arange(0, BM)
         q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
         lse, delta = _row_stats(LSE, DELTA, bh, offs_m, T)
@@ -227,11 +245,7 @@ def _bwd_kv_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DK, DV, DKT, T, 
             _, gelu_grad = _gelu_and_grad(_unit_input(qt_ptr, kt_ptr, offs_m, offs_n, T, S, R, c))
             g = tl.sum(dz * gelu_grad, 0) * tl.load(w2_ptr + c)  # (BN,)
             dkt += tl.where(units[None, :] == c, g[:, None], 0.0)
-    out = bh * S * D + offs_n[:, None] * D + offs_d[None, :]
-    tl.store(DK + out, dk, mask=offs_n[:, None] < S)
-    tl.store(DV + out, dv, mask=offs_n[:, None] < S)
-    tl.store(DKT + bh * S * R + offs_n[:, None] * R + units[None, :], dkt,
-             mask=(offs_n[:, None] < S) & (units[None, :] < R))
+    _store_key_grads(DK, DV, DKT, dk, dv, dkt, bh, offs_n, offs_d, units, S, R, D)
 
 
 @triton.jit
@@ -288,16 +302,12 @@ def _bwd_fused_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DK, DV, D
     land in any order."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     kvh, sc, b2, qt_ptr, kt_ptr, w2_ptr = _head(QT, KT, W2, B2, SC, bh, T, S, H, HKV, R)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    k, v = _row_block(K, kvh, offs_n, offs_d, S, D), _row_block(V, kvh, offs_n, offs_d, S, D)
+    offs_n, offs_d, units, k, v, first = _key_block(K, V, kvh, pid_n, S, q_start, k_start, D, RP, BM, BN)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dkt = tl.zeros((BN, RP), tl.float32)
     dw2 = tl.zeros((RP,), tl.float32)
-    units = tl.arange(0, RP)
-    lo = tl.maximum(0, k_start + pid_n * BN - q_start)  # the first query that sees this block
-    for m0 in range((lo // BM) * BM, T, BM):
+    for m0 in range(first, T, BM):
         offs_m = m0 + tl.arange(0, BM)
         rows = bh * T + offs_m
         q, do = _row_block(Q, bh, offs_m, offs_d, T, D), _row_block(DO, bh, offs_m, offs_d, T, D)
@@ -321,11 +331,7 @@ def _bwd_fused_kernel(Q, K, V, QT, KT, W2, B2, SC, DO, LSE, DELTA, DQ, DK, DV, D
             dqt += tl.where(units[None, :] == c, tl.sum(g, 1)[:, None], 0.0)
             dw2 += tl.where(units == c, tl.sum(tl.sum(dz * gelu, 1), 0), 0.0)
         tl.atomic_add(DQT + rows[:, None] * R + units[None, :], dqt, mask=(offs_m[:, None] < T) & (units[None, :] < R))
-    out = bh * S * D + offs_n[:, None] * D + offs_d[None, :]
-    tl.store(DK + out, dk, mask=offs_n[:, None] < S)
-    tl.store(DV + out, dv, mask=offs_n[:, None] < S)
-    tl.store(DKT + bh * S * R + offs_n[:, None] * R + units[None, :], dkt,
-             mask=(offs_n[:, None] < S) & (units[None, :] < R))
+    _store_key_grads(DK, DV, DKT, dk, dv, dkt, bh, offs_n, offs_d, units, S, R, D)
     tl.store(DW2 + (bh * tl.num_programs(0) + pid_n) * RP + units, dw2)
 
 
