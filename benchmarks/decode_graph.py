@@ -1,5 +1,5 @@
-"""Decoding steps with static shapes, replayed as one CUDA graph: what a step of `full` and of
-`moba` costs on a GPU once its kernel launches are gone, beside the model's own eager step.
+"""Decoding steps with static shapes, replayed as one CUDA graph: what a step of `full`, `moba`
+and `nsa` costs on a GPU once its kernel launches are gone, beside the model's own eager step.
 
     python benchmarks/decode_graph.py --device=cuda --lengths=8192,32768   # bf16, batch 1 and 16
     python benchmarks/decode_graph.py                                      # CPU: the check alone
@@ -13,14 +13,17 @@ captured once and replayed: the keys and values in buffers of fixed capacity, wr
 position held in a tensor, and read under a mask of that position. Before the model's cache
 and every variant's decoding ops are rebuilt that way, this file measures what it would buy:
 `StaticStep` builds such a step from the model's own modules (embedding, norms, projections,
-RoPE table, MLP, head) for its `full` and `moba` layers, checks that its logits follow the
-model's own steps, and on CUDA times its replay beside the model's eager step.
+RoPE table, MLP, head) for its `full`, `moba` and `nsa` layers, checks that its logits follow
+the model's own steps, and on CUDA times its replay beside the model's eager step.
 
 What the static step reads: `full` every slot up to the capacity (the mask hides those past
 the position; the capacity here is the prompt plus the steps taken), `moba` one mean per block
 of the capacity and its top-k blocks' keys and values, gathered by index; moba's own block's
 mean is written at every step (a partial mean until the block completes: its own block is
-forced, never ranked, so the partial mean is never compared, as in [MoBA]).
+forced, never ranked, so the partial mean is never compared, as in [MoBA]); nsa every
+compressed key and value slot of the capacity (those not yet complete masked), its top-n
+blocks and its window's keys and values by index, the compressed key whose window ends at the
+position written at every step (into a spare slot while none ends there).
 """
 import argparse
 import copy
@@ -35,16 +38,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the project: benchmarks/attention.py is not attention.py
 
 import kernels  # noqa: E402
-from attention import CausalSelfAttention, MixtureOfBlockAttention  # noqa: E402
+from attention import CausalSelfAttention, MixtureOfBlockAttention, NativeSparseAttention  # noqa: E402
 from decode import build, clock  # noqa: E402
 
-VARIANTS = ("full", "moba")
+VARIANTS = ("full", "moba", "nsa")
 
 
 class StaticStep:
     """One-token decoding steps of `model` after a prefill into `cache` (model.new_cache()),
     with the same shapes at every token: `step(token)` -> logits (B, 1, V), the position
-    advanced in place. Layers: `full`'s (CausalSelfAttention) and `moba`'s."""
+    advanced in place. Layers: `full`'s (CausalSelfAttention), moba's and nsa's (its mean
+    compressor)."""
 
     def __init__(self, model, cache, capacity):
         T = cache[0].end
@@ -58,18 +62,23 @@ class StaticStep:
         self.buffers = []
         for layer, c in zip(model.layers, cache):
             attn = layer.self_attn
-            if type(attn) not in (CausalSelfAttention, MixtureOfBlockAttention) or c.start != 0:
-                raise ValueError(f"StaticStep runs full and moba layers over a whole cache, not {type(attn).__name__}")
+            if type(attn) not in (CausalSelfAttention, MixtureOfBlockAttention, NativeSparseAttention) \
+                    or c.start != 0 or getattr(attn.cfg, "nsa_compress", "mean") != "mean":
+                raise ValueError("StaticStep runs full, moba and nsa (nsa_compress=mean) layers over a whole cache, "
+                                 f"not {type(attn).__name__}")
             k, v = c.k.view(), c.v.view()  # (B, Hkv, T, D)
-            held = capacity  # moba's: whole blocks, so that its own block's slots all exist
-            if isinstance(attn, MixtureOfBlockAttention):
-                held = -(-capacity // attn.cfg.moba_block) * attn.cfg.moba_block
+            block = attn.cfg.moba_block if isinstance(attn, MixtureOfBlockAttention) else attn.cfg.nsa_block
+            held = -(-capacity // block) * block  # whole blocks: a block's slots all exist
             buf = dict(k=k.new_zeros(*k.shape[:2], held, k.shape[3]), v=v.new_zeros(*v.shape[:2], held, v.shape[3]))
             buf["k"][:, :, :T], buf["v"][:, :, :T] = k, v
             if isinstance(attn, MixtureOfBlockAttention):
                 means = c.summaries[0].view()  # (B, Hkv, complete blocks, D) float32
-                buf["means"] = means.new_zeros(*means.shape[:2], held // attn.cfg.moba_block, means.shape[3])
+                buf["means"] = means.new_zeros(*means.shape[:2], held // block, means.shape[3])
                 buf["means"][:, :, :means.shape[2]] = means
+            if isinstance(attn, NativeSparseAttention):  # K^cmp, V^cmp: one slot per stride, and a spare
+                for name, kept in zip(("k_cmp", "v_cmp"), (row.view() for row in c.summaries)):
+                    buf[name] = kept.new_zeros(*kept.shape[:2], held // attn.cfg.nsa_cmp_stride + 1, kept.shape[3])
+                    buf[name][:, :, :kept.shape[2]] = kept
             self.buffers.append(buf)
 
     def __call__(self, token):
@@ -78,11 +87,14 @@ class StaticStep:
         cos, sin = self.cos.index_select(0, pos.view(1)).to(x.dtype), self.sin.index_select(0, pos.view(1)).to(x.dtype)
         for layer, buf in zip(model.layers, self.buffers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # (B, H, 1, D), (B, Hkv, 1, D)
+            h = layer.input_layernorm(x)
+            q, k, v = attn.project(h, cos, sin)  # (B, H, 1, D), (B, Hkv, 1, D)
             buf["k"].index_copy_(2, pos.view(1), k.to(buf["k"].dtype))
             buf["v"].index_copy_(2, pos.view(1), v.to(buf["v"].dtype))
             if isinstance(attn, MixtureOfBlockAttention):
                 y = self.moba(attn, q, buf)
+            elif isinstance(attn, NativeSparseAttention):
+                y = self.nsa(attn, q, h, buf)
             else:
                 keys = torch.arange(buf["k"].shape[2], device=pos.device) <= pos  # the slots written so far
                 y = F.scaled_dot_product_attention(q, buf["k"].to(q.dtype), buf["v"].to(q.dtype), attn_mask=keys.view(1, -1),
@@ -92,12 +104,32 @@ class StaticStep:
         self.pos += 1
         return model.head_and_loss(x)[0]
 
+    def attend_rows(self, attn, q, buf, keys, seen):
+        """One softmax of q (B, H, 1, D) over the keys each query head lists, keys (B, H, m)
+        positions read from its key head's buffer by index (any where seen (B, H, m) is False)."""
+        B, H, _, D = q.shape
+        Hkv, held = buf["k"].shape[1], buf["k"].shape[2]
+        # each query head's key head's rows, in the buffer viewed as (B Hkv held) rows of D
+        head = torch.arange(B, device=q.device)[:, None, None] * Hkv + torch.arange(H, device=q.device)[:, None] // (H // Hkv)
+        rows = head * held + keys.clamp(min=0)
+        k_rows = buf["k"].reshape(-1, D)[rows].to(q.dtype)  # (B, H, m, D)
+        v_rows = buf["v"].reshape(-1, D)[rows].to(q.dtype)
+        logits = (q @ k_rows.transpose(-2, -1)).float() * attn.scale  # (B, H, 1, m)
+        p = torch.softmax(logits.masked_fill(~seen[:, :, None], float("-inf")), -1)  # its own key is always seen
+        return p.to(v_rows.dtype) @ v_rows
+
+    def blocks_attended(self, attn, q, buf, blocks, block):
+        """attend_rows over the keys up to self.pos of the blocks (B, H, n) (-1: none) lists."""
+        keys = blocks[..., None] * block + torch.arange(block, device=q.device)  # (B, H, n, block)
+        seen = (blocks[..., None] >= 0) & (keys <= self.pos)
+        return self.attend_rows(attn, q, buf, keys.flatten(2), seen.flatten(2))
+
     def moba(self, attn, q, buf):
         """[MoBA] eqs. 2-6 for the query at self.pos: the block means, its own block forced,
         the top k - 1 earlier blocks by q . K_bar, one softmax over their keys up to pos."""
         block, pos = attn.cfg.moba_block, self.pos
         B, H, _, D = q.shape
-        Hkv, capacity = buf["k"].shape[1], buf["k"].shape[2]
+        Hkv = buf["k"].shape[1]
         own = pos // block
         slots = own * block + torch.arange(block, device=q.device)
         buf["means"].index_copy_(2, own.view(1), buf["k"].index_select(2, slots).float().mean(2, keepdim=True))
@@ -106,26 +138,55 @@ class StaticStep:
         j = torch.arange(scores.shape[-1], device=q.device)
         scores = torch.where(j < own, scores, torch.where(j == own, float("inf"), float("-inf")))
         blocks = kernels._top_n(scores, attn.cfg.moba_topk)[:, :, 0]  # (B, H, k), -1 for a slot with no block
-        keys = blocks[..., None] * block + torch.arange(block, device=q.device)  # (B, H, k, block)
-        seen = ((blocks[..., None] >= 0) & (keys <= pos)).flatten(2)  # (B, H, k block); its own key always
-        # each query head's keys as rows of its key head's buffer, viewed as (B Hkv capacity) rows of D
-        head = torch.arange(B, device=q.device)[:, None, None] * Hkv + torch.arange(H, device=q.device)[:, None] // (H // Hkv)
-        rows = head * capacity + keys.flatten(2).clamp(min=0)  # (B, H, k block)
-        k_rows = buf["k"].reshape(-1, D)[rows].to(q.dtype)  # (B, H, k block, D)
-        v_rows = buf["v"].reshape(-1, D)[rows].to(q.dtype)
-        logits = (q @ k_rows.transpose(-2, -1)).float() * attn.scale  # (B, H, 1, k block)
-        p = torch.softmax(logits.masked_fill(~seen[:, :, None], float("-inf")), -1)
-        return p.to(v_rows.dtype) @ v_rows
+        return self.blocks_attended(attn, q, buf, blocks, block)
+
+    def nsa(self, attn, q, x, buf):
+        """[NSA] eqs. 5-12 for the query at self.pos: the compressed key and value whose window
+        ends at pos written (into a spare slot while none does), p^cmp over the compressed keys
+        seen, its block scores (eq. 9), the top-n blocks with the three forced, the window's
+        W + 1 keys, the three branches mixed by their gates."""
+        cfg, pos = attn.cfg, self.pos
+        length, stride, block, W = cfg.nsa_cmp_block, cfg.nsa_cmp_stride, cfg.nsa_block, cfg.nsa_window
+        B, H, _, D = q.shape
+        Hkv, G = buf["k"].shape[1], H // buf["k"].shape[1]
+        first = pos - length + 1  # the first position of the window ending at pos
+        done = (first >= 0) & (first % stride == 0)
+        slot = torch.where(done, first.div(stride, rounding_mode="floor"), buf["k_cmp"].shape[2] - 1).view(1)
+        window = (first + torch.arange(length, device=q.device)).clamp(min=0)
+        for name in ("k", "v"):  # eq. 7 with phi the mean
+            buf[name + "_cmp"].index_copy_(2, slot, buf[name].index_select(2, window).mean(2, keepdim=True))
+        C = buf["k_cmp"].shape[2]
+        visible = torch.arange(C, device=q.device) * stride + length - 1 <= pos  # the spare slot never
+        with torch.autocast(q.device.type, enabled=False):  # eq. 8 in float32
+            logits = (q.float().reshape(B, Hkv, G, D) @ buf["k_cmp"].float().transpose(-2, -1)) * attn.scale
+            p = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)  # none seen: 0
+        out = {"cmp": (p.to(buf["v_cmp"].dtype) @ buf["v_cmp"]).view(B, H, 1, D).to(q.dtype)}
+        J = buf["k"].shape[2] // block
+        scores = kernels.padded_block_scores(p, J, length, stride, block).sum(2)  # eqs. 9-10: (B, Hkv, J)
+        own, j = pos // block, torch.arange(J, device=q.device)
+        forced = (j == 0) | (j == own) | (j == own - 1)
+        scores = torch.where((j <= own) & ~forced, scores, torch.where(forced & (j <= own), float("inf"), float("-inf")))
+        blocks = kernels._top_n(scores, cfg.nsa_topk).repeat_interleave(G, 1)  # (B, H, n): a key head's for its queries
+        out["slc"] = self.blocks_attended(attn, q, buf, blocks, block)
+        keys = (pos - W + torch.arange(W + 1, device=q.device)).expand(B, H, W + 1)
+        out["win"] = self.attend_rows(attn, q, buf, keys, keys >= 0)
+        g = attn.branch_gates(x)  # (3, B, H, 1, 1)
+        return sum(g[attn.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in attn.branches)
 
 
 def check(attn, T=50, steps=20, device="cpu"):
     """The largest difference between the model's own steps' logits and StaticStep's over
-    `steps` tokens after a T-token prompt (a small model with moba blocks of 8): (max |diff|,
-    whether every step's argmax agreed)."""
+    `steps` tokens after a T-token prompt (a small model with two query heads a key head, moba
+    blocks of 8, nsa's sizes 4, 2, 8, 5, 6 and its branch gates drawn at random, so that every
+    branch and choice counts): (max |diff|, whether every step's argmax agreed)."""
     from model import Model, ModelConfig, PRESETS
-    cfg = ModelConfig(**dict(PRESETS["tiny"], vocab_size=64, attn=attn, kernel="fused", moba_block=8, moba_topk=3))
+    cfg = ModelConfig(**dict(PRESETS["tiny"], n_kv_head=2, vocab_size=64, attn=attn, kernel="fused", moba_block=8,
+                             moba_topk=3, nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=8, nsa_topk=5, nsa_window=6))
     torch.manual_seed(0)
     model = Model(cfg).to(device).eval()
+    for layer in model.layers:
+        if isinstance(layer.self_attn, NativeSparseAttention):
+            torch.nn.init.normal_(layer.self_attn.branch_gate.weight, std=0.5)
     prompt = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         cache = model.new_cache()
