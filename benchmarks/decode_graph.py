@@ -178,9 +178,10 @@ def check(attn, T=50, steps=20, device="cpu"):
     """The largest difference between the model's own steps' logits and StaticStep's over
     `steps` tokens after a T-token prompt (a small model with two query heads a key head, moba
     blocks of 8, nsa's sizes 4, 2, 8, 5, 6 and its branch gates drawn at random, so that every
-    branch and choice counts): (max |diff|, whether every step's argmax agreed)."""
+    branch and choice counts; its prompt through the blockwise path on any device, so that a GPU
+    compiles no FlexAttention for it): (max |diff|, whether every step's argmax agreed)."""
     from model import Model, ModelConfig, PRESETS
-    cfg = ModelConfig(**dict(PRESETS["tiny"], n_kv_head=2, vocab_size=64, attn=attn, kernel="fused", moba_block=8,
+    cfg = ModelConfig(**dict(PRESETS["tiny"], n_kv_head=2, vocab_size=64, attn=attn, kernel="blockwise", moba_block=8,
                              moba_topk=3, nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=8, nsa_topk=5, nsa_window=6))
     torch.manual_seed(0)
     model = Model(cfg).to(device).eval()
