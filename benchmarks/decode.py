@@ -13,6 +13,9 @@ The model: qwen-134m's widths (12 heads of 64, no GQA, d_model 768, MLP 2432) cu
 --layers=2, random weights, kernel='fused' (its decoding steps run kernels.DECODE), float32
 on a CPU (bf16 autocast on CUDA), the embedding and head at a 256-id vocabulary (--vocab), so
 that what a step reads is the layers and their caches. One thread by default (--threads).
+On a CPU, THP_MEM_ALLOC_ENABLE=1 in the environment (PyTorch's CPU allocator then puts every
+tensor of 2 MB or more on transparent huge pages) spares a long prefill's large temporaries
+their 4 KB page faults; the settings record it when it is set (docs/performance.md).
 
 What is printed, per variant and T:
 - prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
@@ -69,6 +72,7 @@ from model import PRESETS, Model, ModelConfig, compile_decoding  # noqa: E402
 
 ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
 MB = 1e6
+THP = "THP_MEM_ALLOC_ENABLE"  # read by torch's allocator at its first allocation: set it before python starts
 BANDWIDTH_BYTES = 1 << 28  # read_bandwidth reads at least this much: past any CPU's caches
 
 
@@ -330,7 +334,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
     settings = dict(device=args.device, batch=args.batch, steps=args.steps, rounds=args.rounds, layers=args.layers, vocab=args.vocab,
-                    threads=args.threads, torch=torch.__version__, **({"compile": True} if args.compile else {}))
+                    threads=args.threads, torch=torch.__version__, **({"compile": True} if args.compile else {}),
+                    **({"thp_mem_alloc": os.environ[THP]} if THP in os.environ else {}))
     saved = {}
     if os.path.exists(args.out) and not args.fresh:
         old = json.load(open(args.out))
