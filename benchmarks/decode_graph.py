@@ -1,5 +1,6 @@
-"""Decoding steps with static shapes, replayed as one CUDA graph: what a step of `full`, `moba`
-and `nsa` costs on a GPU once its kernel launches are gone, beside the model's own eager step.
+"""Decoding steps with static shapes, replayed as one CUDA graph: what a step of `full`, `local`,
+`moba`, `nsa` and the indexer costs on a GPU once its kernel launches are gone, beside the
+model's own eager step.
 
     python benchmarks/decode_graph.py --device=cuda --lengths=8192,32768   # bf16, batch 1 and 16
     python benchmarks/decode_graph.py                                      # CPU: the check alone
@@ -13,17 +14,21 @@ captured once and replayed: the keys and values in buffers of fixed capacity, wr
 position held in a tensor, and read under a mask of that position. Before the model's cache
 and every variant's decoding ops are rebuilt that way, this file measures what it would buy:
 `StaticStep` builds such a step from the model's own modules (embedding, norms, projections,
-RoPE table, MLP, head) for its `full`, `moba` and `nsa` layers, checks that its logits follow
-the model's own steps, and on CUDA times its replay beside the model's eager step.
+RoPE table, MLP, head) for its `full`, `local`, `moba`, `nsa` and `indexer` layers, checks that
+its logits follow the model's own steps, and on CUDA times its replay beside the model's eager
+step.
 
 What the static step reads: `full` every slot up to the capacity (the mask hides those past
-the position; the capacity here is the prompt plus the steps taken), `moba` one mean per block
+the position; the capacity here is the prompt plus the steps taken), `local` its window's W + 1
+keys and values by index, `moba` one mean per block
 of the capacity and its top-k blocks' keys and values, gathered by index; moba's own block's
 mean is written at every step (a partial mean until the block completes: its own block is
 forced, never ranked, so the partial mean is never compared, as in [MoBA]); nsa every
 compressed key and value slot of the capacity (those not yet complete masked), its top-n
 blocks and its window's keys and values by index, the compressed key whose window ends at the
-position written at every step (into a spare slot while none ends there).
+position written at every step (into a spare slot while none ends there); the indexer every
+indexer key slot of the capacity (eq. 1 scores them all; those past the position masked), the
+step's own written first, then its top-k keys and values by index.
 """
 import argparse
 import copy
@@ -38,17 +43,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the project: benchmarks/attention.py is not attention.py
 
 import kernels  # noqa: E402
-from attention import CausalSelfAttention, MixtureOfBlockAttention, NativeSparseAttention  # noqa: E402
+from attention import (CausalSelfAttention, IndexerAttention, LocalAttention, MixtureOfBlockAttention,  # noqa: E402
+                       NativeSparseAttention, apply_rope)
 from decode import build, clock  # noqa: E402
 
-VARIANTS = ("full", "moba", "nsa")
+VARIANTS = ("full", "local", "moba", "nsa", "indexer")
+STATIC = (CausalSelfAttention, LocalAttention, MixtureOfBlockAttention, NativeSparseAttention, IndexerAttention)
 
 
 class StaticStep:
     """One-token decoding steps of `model` after a prefill into `cache` (model.new_cache()),
     with the same shapes at every token: `step(token)` -> logits (B, 1, V), the position
-    advanced in place. Layers: `full`'s (CausalSelfAttention), moba's and nsa's (its mean
-    compressor)."""
+    advanced in place. Layers: `full`'s (CausalSelfAttention), local's, moba's, nsa's (its mean
+    compressor) and the indexer's."""
 
     def __init__(self, model, cache, capacity):
         T = cache[0].end
@@ -62,15 +69,15 @@ class StaticStep:
         self.buffers = []
         for layer, c in zip(model.layers, cache):
             attn = layer.self_attn
-            if type(attn) not in (CausalSelfAttention, MixtureOfBlockAttention, NativeSparseAttention) \
-                    or c.start != 0 or getattr(attn.cfg, "nsa_compress", "mean") != "mean":
-                raise ValueError("StaticStep runs full, moba and nsa (nsa_compress=mean) layers over a whole cache, "
-                                 f"not {type(attn).__name__}")
-            k, v = c.k.view(), c.v.view()  # (B, Hkv, T, D)
+            if type(attn) not in STATIC or (c.start != 0 and type(attn) is not LocalAttention) \
+                    or getattr(attn.cfg, "nsa_compress", "mean") != "mean":
+                raise ValueError(f"StaticStep runs {', '.join(VARIANTS)} (nsa_compress=mean) layers over a whole "
+                                 f"cache (local's rolling one), not {type(attn).__name__}")
+            k, v = c.k.view(), c.v.view()  # (B, Hkv, T - c.start, D): local's last W keys, the others' every key
             block = attn.cfg.moba_block if isinstance(attn, MixtureOfBlockAttention) else attn.cfg.nsa_block
             held = -(-capacity // block) * block  # whole blocks: a block's slots all exist
             buf = dict(k=k.new_zeros(*k.shape[:2], held, k.shape[3]), v=v.new_zeros(*v.shape[:2], held, v.shape[3]))
-            buf["k"][:, :, :T], buf["v"][:, :, :T] = k, v
+            buf["k"][:, :, c.start:T], buf["v"][:, :, c.start:T] = k, v  # each key at its position's slot
             if isinstance(attn, MixtureOfBlockAttention):
                 means = c.summaries[0].view()  # (B, Hkv, complete blocks, D) float32
                 buf["means"] = means.new_zeros(*means.shape[:2], held // block, means.shape[3])
@@ -79,6 +86,12 @@ class StaticStep:
                 for name, kept in zip(("k_cmp", "v_cmp"), (row.view() for row in c.summaries)):
                     buf[name] = kept.new_zeros(*kept.shape[:2], held // attn.cfg.nsa_cmp_stride + 1, kept.shape[3])
                     buf[name][:, :, :kept.shape[2]] = kept
+            if isinstance(attn, IndexerAttention):  # k^I, one per position (B, held, d), in float32
+                kept = c.summaries[0].view()
+                buf["k_idx"] = kept.new_zeros(kept.shape[0], held, kept.shape[2], dtype=torch.float32)
+                buf["k_idx"][:, :T] = kept
+                cos_i, sin_i = attn.indexer.rope_table(0, held, device)
+                buf["rope_idx"] = cos_i.clone(), sin_i.clone()
             self.buffers.append(buf)
 
     def __call__(self, token):
@@ -95,6 +108,12 @@ class StaticStep:
                 y = self.moba(attn, q, buf)
             elif isinstance(attn, NativeSparseAttention):
                 y = self.nsa(attn, q, h, buf)
+            elif isinstance(attn, IndexerAttention):
+                y = self.indexer(attn, q, h, buf)
+            elif isinstance(attn, LocalAttention):  # the W + 1 keys pos - W .. pos
+                keys = (pos - attn.cfg.window + torch.arange(attn.cfg.window + 1, device=pos.device)).expand(
+                    q.shape[0], q.shape[1], -1)
+                y = self.attend_rows(attn, q, buf, keys, keys >= 0)
             else:
                 keys = torch.arange(buf["k"].shape[2], device=pos.device) <= pos  # the slots written so far
                 y = F.scaled_dot_product_attention(q, buf["k"].to(q.dtype), buf["v"].to(q.dtype), attn_mask=keys.view(1, -1),
@@ -174,14 +193,41 @@ class StaticStep:
         return sum(g[attn.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in attn.branches)
 
 
+    def indexer(self, attn, q, x, buf):
+        """[DS32] eqs. 1-2 for the query at self.pos: the step's indexer key written at its
+        slot, the lightning scores of every slot (those past pos -inf), the top-k keys
+        (`kernels._top_n`, the model's tie rule: the most recent of equal scores), one softmax
+        over them."""
+        ix, pos = attn.indexer, self.pos
+        B, H = q.shape[:2]
+        J, d = ix.n_head, ix.head_dim
+        cos, sin = (t.index_select(0, pos.view(1)) for t in buf["rope_idx"])  # (1, d / 2)
+
+        def rope(z):  # RoPE on the first half of the last dim, as LightningIndexer.rope
+            half = d // 2
+            return torch.cat([apply_rope(z[..., :half], cos.to(z.dtype), sin.to(z.dtype)), z[..., half:]], -1)
+        q_idx = rope(ix.q_proj(x).view(B, J, d))  # (B, J, d)
+        w = ix.weights_proj(x).view(B, J) * J ** -0.5
+        buf["k_idx"].index_copy_(1, pos.view(1), rope(ix.k_norm(ix.k_proj(x))).float())  # (B, 1, d)
+        with torch.autocast(q.device.type, enabled=False):  # eq. 1, as kernels.decode_indexer_topk
+            dots = torch.bmm(buf["k_idx"], q_idx.float().transpose(1, 2)).div_(d ** 0.5).relu_()  # (B, held, J)
+            scores = torch.einsum("bsj,bj->bs", dots, w.float())
+        slots = torch.arange(scores.shape[1], device=q.device)
+        scores = scores.masked_fill(slots > pos, float("-inf"))
+        keys = kernels._top_n(scores, attn.topk)  # (B, k), -1 past the keys seen
+        keys = keys[:, None].expand(B, H, -1)  # one list for every head
+        return self.attend_rows(attn, q, buf, keys, keys >= 0)
+
+
 def check(attn, T=50, steps=20, device="cpu"):
     """The largest difference between the model's own steps' logits and StaticStep's over
-    `steps` tokens after a T-token prompt (a small model with two query heads a key head, moba
-    blocks of 8, nsa's sizes 4, 2, 8, 5, 6 and its branch gates drawn at random, so that every
+    `steps` tokens after a T-token prompt (a small model with two query heads a key head, a
+    window of 12 (local's, and the indexer's k), moba blocks of 8, nsa's sizes 4, 2, 8, 5, 6
+    and its branch gates drawn at random, so that every
     branch and choice counts; its prompt through the blockwise path on any device, so that a GPU
     compiles no FlexAttention for it): (max |diff|, whether every step's argmax agreed)."""
     from model import Model, ModelConfig, PRESETS
-    cfg = ModelConfig(**dict(PRESETS["tiny"], n_kv_head=2, vocab_size=64, attn=attn, kernel="blockwise", moba_block=8,
+    cfg = ModelConfig(**dict(PRESETS["tiny"], n_kv_head=2, vocab_size=64, attn=attn, kernel="blockwise", window=12, moba_block=8,
                              moba_topk=3, nsa_cmp_block=4, nsa_cmp_stride=2, nsa_block=8, nsa_topk=5, nsa_window=6))
     torch.manual_seed(0)
     model = Model(cfg).to(device).eval()

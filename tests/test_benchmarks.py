@@ -552,15 +552,16 @@ def test_the_prepared_gpu_call_parses_and_fits_the_device_limits(monkeypatch, tm
 
 def test_decode_graph_static_step_follows_the_models_own_steps():
     """benchmarks/decode_graph.py on a CPU: its static-shape decoding steps (`StaticStep`, what a
-    CUDA graph replays) give the model's own steps' logits for `full`, moba and nsa, 20 tokens
-    after a prompt, with grouped heads, to float32's rounding (a moba block ranked, forced or
-    masked wrongly, a block mean or compressed key left unwritten, nsa's window one key short,
-    its branches mixed by one gate or its heads' block scores not summed moves them by 3e-2 or
-    more)."""
+    CUDA graph replays) give the model's own steps' logits for `full`, local, moba, nsa and the
+    indexer, 20 tokens after a prompt, with grouped heads, to float32's rounding (a moba block
+    ranked, forced or masked wrongly, a block mean or compressed key left unwritten, nsa's window
+    one key short, its branches mixed by one gate or its heads' block scores not summed, local's
+    window one key short, the indexer's step key unwritten, its ReLU dropped, its mask one slot
+    off, its k one short or its weights' signs lost moves them by 3e-2 or more)."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_graph.py")], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = re.findall(r"^(\w+): the static step's logits .* max \|diff\| (\S+), argmax (.*) at every step$", r.stdout, re.M)
-    assert [name for name, _, _ in rows] == ["full", "moba", "nsa"], r.stdout
+    assert [name for name, _, _ in rows] == ["full", "local", "moba", "nsa", "indexer"], r.stdout
     for name, diff, argmax in rows:
         assert float(diff) < 1e-5 and argmax == "the same", (name, diff, argmax)
