@@ -28,6 +28,8 @@ What is printed, per variant and T:
   --batch. `full`'s steps for that ratio are taken in turns with the row's own (--rounds
   rounds, `full` held prefilled beside each row): the machine's speed drifts by 30% between
   rows here, and the ratio is what the table is for.
+- the settings line (and the JSON's settings): the machine (`host`: CPU model, cores,
+  last-level cache, torch's CPU kernels; or the GPU), since the goals' floors move with it.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
   keys, values, summaries, and the inputs of the windows not yet summarised).
 - read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x
@@ -55,9 +57,11 @@ measured; a rerun keeps the rows already there for the same settings (--fresh: m
 """
 import argparse
 import copy
+import glob
 import json
 import math
 import os
+import platform
 import statistics
 import sys
 import time
@@ -108,6 +112,31 @@ def definition_reads(module, S, elem):
     if name == "caa":  # every key to rank them; the values of the local window and the top k
         return elem * (Hkv * D * S + Hkv * D * (min(S, cfg.caa_window_max + 1) + math.isqrt(S - 1) + 1))
     return elem * kv * S  # full, asga (its gate reads every key)
+
+
+def host(device):
+    """The machine a run measured, in words: the CPU's model, its cores, its last-level cache
+    and the vector kernels torch dispatches to (or the GPU's name). The goals' floors move
+    with it (a 32 MiB L3 holds none of the model's 64 MB of weights between steps, a 260 MiB
+    one all of them: local's batch-8 ratio 0.28 on one, 0.19 on the other), so every record
+    says which, and a rerun resumes only rows from the same machine."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cache = ""
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"), reverse=True):
+        try:
+            with open(os.path.join(index, "level")) as f, open(os.path.join(index, "size")) as g:
+                cache = f", L{f.read().strip()} {g.read().strip()}"
+            break
+        except OSError:
+            continue
+    return f"{model}, {os.cpu_count()} cores{cache}, torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def read_bandwidth(nbytes, device, repeats=5):
@@ -334,7 +363,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
     settings = dict(device=args.device, batch=args.batch, steps=args.steps, rounds=args.rounds, layers=args.layers, vocab=args.vocab,
-                    threads=args.threads, torch=torch.__version__, **({"compile": True} if args.compile else {}),
+                    threads=args.threads, torch=torch.__version__, host=host(args.device),
+                    **({"compile": True} if args.compile else {}),
                     **({"thp_mem_alloc": os.environ[THP]} if THP in os.environ else {}))
     saved = {}
     if os.path.exists(args.out) and not args.fresh:

@@ -349,6 +349,8 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(T, v) for T in (64, 128) for v in ("full", "local", "nsa")}
+    host = json.loads(out.read_text())["settings"]["host"]  # the machine, with the CPU kernels torch ran
+    assert host.endswith(f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}") and " cores" in host, host
     D, H = 64, 12  # qwen-134m's heads
     assert rows[128, "full"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # every key and value, float32 (after the prefill)
     assert rows[128, "local"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # the window (256) holds them all
