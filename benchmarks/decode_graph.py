@@ -192,7 +192,6 @@ class StaticStep:
         g = attn.branch_gates(x)  # (3, B, H, 1, 1)
         return sum(g[attn.BRANCHES.index(name)].to(out[name].dtype) * out[name] for name in attn.branches)
 
-
     def indexer(self, attn, q, x, buf):
         """[DS32] eqs. 1-2 for the query at self.pos: the step's indexer key written at its
         slot, the lightning scores of every slot (those past pos -inf), the top-k keys
