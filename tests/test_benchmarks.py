@@ -371,6 +371,11 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     floor = re.search(r"the weights' products alone .*: ([\d.]+) ms at batch 1 = ([\d.]+)x .*; ([\d.]+) ms at batch 8",
                       r.stdout)
     assert floor and 0 < float(floor[1]) and 0 < float(floor[3]) and float(floor[2]) > 0, r.stdout[-2000:]
+    # the same products over full's step at each T and batch: the floor under every ratio to full
+    shares = re.search(r"over full's step, a floor .*T = 128: ([\d.]+) at batch 1, ([\d.]+) at batch 8", r.stdout)
+    assert shares, r.stdout[-2000:]
+    assert float(shares[1]) == pytest.approx(float(floor[1]) / statistics.median(full["decode_ms"]), rel=0.05, abs=0.01)
+    assert float(shares[2]) == pytest.approx(float(floor[3]) / statistics.median(full["decode_batch_ms"]), rel=0.05, abs=0.01)
     again = subprocess.run(cmd + ["--lengths=64,128,256", "--budget=0"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
