@@ -66,9 +66,10 @@ here and the loops write into float32 buffers):
   own keys and the summaries, with one (n, s, s + R) mask: time O(T (s + R)), memory
   O(T (s + R)) bools for the mask plus O(T D), never (T, S).
 - block attention (nsa's selected branch, moba): `block_dispatch`. The (query, slot) pairs
-  are grouped by the (batch, head, block) they chose, as a mixture of experts routes tokens;
-  one matmul per group against its block's keys, one softmax per query over its n blocks.
-  Time O(T n block D) in matmuls, memory O(T n block).
+  are grouped by the (batch, head, block) they chose, as a mixture of experts routes tokens,
+  each group cut into tiles of DISPATCH_TILE pairs; one batched matmul per span of tiles
+  against their blocks' keys, one softmax per query over its n blocks. Time O(T n block D)
+  in matmuls, memory O(T n block).
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
   keys it can see; the chunk's probabilities give its output and its block scores, from
   which it chooses its blocks at once (no (T, J) scores kept); the backward recomputes the
@@ -108,7 +109,6 @@ Both need the queries to be the last keys (q_start + T == k_start + S), as in ev
 of model.py. This file imports nothing from attention.py ([Flash] etc. are its references).
 The benchmark is benchmarks/attention.py.
 """
-import contextlib
 import functools
 import getpass
 import math
@@ -149,22 +149,6 @@ def inductor_cache_per_cpu_capability():
 
 
 inductor_cache_per_cpu_capability()
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run a loop of small ops on this thread alone. An op too small to be worth splitting
-    (`BlockDispatch`'s per-group matmuls, ~15 us each) still hands work to the other OpenMP
-    threads and waits for them, and with OMP_WAIT_POLICY=PASSIVE (train.py's, for a CPU
-    shared with other processes) every hand-off wakes a sleeping thread: nsa's training step
-    at train.py's CPU preset ran at 1.1k tok/s on an idle 2-core machine, 6.7k with its group
-    loops on one thread (benchmarks/train_step.py; README "Performance")."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 NEG_INF = float("-inf")
@@ -779,97 +763,104 @@ def combiner_blocks(q, k, v, kbar, vbar, first_block, block, scale):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: block attention
 
-DISPATCH_PAIRS = 1 << 13  # (query, slot) pairs per span of `BlockDispatch`'s loops: 2 MB of float32 query rows
+DISPATCH_TILE = 32  # rows of one tile: each group's pairs are cut into tiles of this many, its last one padded
+DISPATCH_PAIRS = 1 << 13  # padded pairs per span of `BlockDispatch`'s loops: 2 MB of float32 query rows at D = 64
 
 
-def pair_spans(sizes):
-    """[(a, b, [(g, s, e), ..]), ..]: the pairs sorted by group cut into spans of whole groups,
-    each about DISPATCH_PAIRS pairs (a group larger than that is a span of its own); group g's
-    pairs are the span's rows s .. e - 1, the sorted pairs a + s .. a + e - 1. Empty groups
-    left out."""
-    span = DISPATCH_PAIRS
-    spans, groups, a, at = [], [], 0, 0
-    for g, size in enumerate(sizes):
-        if size:
-            groups.append((g, at - a, at - a + size))
-            at += size
-            if at - a >= span:
-                spans.append((a, at, groups))
-                groups, a = [], at
-    if groups:
-        spans.append((a, at, groups))
-    return spans
+def tile_layout(group, G, tile):
+    """Where each pair goes when every group's pairs are cut into tiles of `tile` rows, the
+    groups in order, each group's last tile padded: group (P,) the sorted pairs' groups
+    (ascending), G the number of groups. Returns pos (P,), each pair's row in the padded
+    order, and tile_group (M,), each tile's group (M tiles, M tile rows in all)."""
+    sizes = torch.bincount(group, minlength=G)
+    tiles = (sizes + tile - 1) // tile
+    tile_group = torch.repeat_interleave(torch.arange(G, device=group.device), tiles)
+    first = (sizes.cumsum(0) - sizes)[group]  # each pair's group's first sorted position
+    pos = ((tiles.cumsum(0) - tiles) * tile)[group] + torch.arange(group.numel(), device=group.device) - first
+    return pos, tile_group
 
 
 class BlockDispatch(torch.autograd.Function):
     """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
-    key and value blocks kb, vb (G, block, D), pair (P,) indices into BHT * n sorted by group,
-    sizes (G,) pairs per group. Every key of a listed block is visible but in the pairs at
-    sorted positions `partial` (a query's own block, a block that starts before the first
-    key), where `hidden` (len(partial), block) is True.
+    key and value blocks kb, vb (G, block, D); rows (M tile,) the query row of each padded
+    pair (BHT: padding), the pairs sorted by group and each group's cut into tiles of `tile`
+    rows; tile_group (M,) each tile's group. Every key of a listed block is visible but at
+    the padded positions `partial`, where `hidden` (len(partial), block) is True (a query's own
+    block, a block that starts before the first key, and every padding row).
 
     Everything stays in the pairs' sorted order, as [MoBA]'s own code keeps it (its varlen
-    attention over each block's queries): per group, its queries' rows @ its keys into its
-    slice of the (P, block) logits; each query's softmax over its n slots then runs as a
-    segmented one, the max over a query's pairs by scatter_reduce and the sum by index_add_
-    (a query that sees no key gets 0); per group its probabilities @ its values, added into
-    its queries' outputs. The loops go over spans of whole groups (`pair_spans`): a span's
-    query rows are gathered in one index_select and its outputs placed in one index_add_.
-    Placing each pair's logits at its query (a (BHT n, block) array, one softmax over each
-    row) and gathering and placing each group's rows on its own took 1.5-1.7x this (one
-    layer of nsa's prefill alone at T = 32768: 5.6 s against 3.3-3.7 s). Keeps the
-    probabilities (P, block) and the output; the backward uses rowsum(dP * P) = dO . O for
-    the softmax ([Flash]) and needs no segmented op.
-    Why a Function: autograd over the per-group matmuls kept the gathered rows and
-    concatenated every group's logits, outputs and gradients."""
+    attention over each block's queries): a span of tiles at a time, its queries' rows
+    gathered in one index_select and its tiles' key blocks in another, one batched matmul
+    gives its (tiles, tile, block) logits; each query's softmax over its n slots then runs as
+    a segmented one, the max over a query's pairs by scatter_reduce and the sum by index_add_
+    (a query that sees no key gets 0, as does a padding row); per span its probabilities @
+    its tiles' value blocks in one batched matmul, added into its queries' outputs. One
+    matmul per group instead (a Python loop over the (batch, head, block) groups, run on one
+    thread: each tiny product handed to a second OpenMP thread cost more than it saved) left
+    one of two cores idle: nsa's and moba's training steps at train.py's CPU preset ran at
+    0.48x and 0.70x of `full`'s, 0.56x and 0.84x with the tiles, side by side
+    (benchmarks/train_step_regression.md). Placing each pair's logits at its query (a (BHT
+    n, block) array, one softmax over each row) took 1.5-1.7x the sorted form. Keeps the
+    probabilities (M tile, block) and the output; the backward uses rowsum(dP * P) = dO . O
+    for the softmax ([Flash]) and needs no segmented op.
+    Why a Function: autograd over the span's gathers and matmuls kept every gathered row and
+    key block."""
 
     @staticmethod
-    def forward(ctx, q, kb, vb, pair, sizes, n, partial, hidden):
+    def forward(ctx, q, kb, vb, rows, tile_group, partial, hidden):
         BHT, D = q.shape
-        spans = pair_spans(sizes)
-        rows = pair // n  # each sorted pair's query row
-        logits = q.new_empty(len(pair), kb.shape[1])  # (P, block), sorted by group
-        with one_thread():  # per-group ops too small to split (see `one_thread`)
-            for a, b, groups in spans:
-                q_rows = q.index_select(0, rows[a:b])
-                for g, s, e in groups:
-                    torch.mm(q_rows[s:e], kb[g].T, out=logits[a + s:a + e])
+        M = tile_group.numel()
+        tile, block = rows.numel() // max(1, M), kb.shape[1]
+        at = rows.clamp(max=BHT - 1)  # a padding row reads some query's row; its logits are hidden
+        step = max(1, DISPATCH_PAIRS // tile)  # tiles per span
+        logits = q.new_empty(M, tile, block)
+        for m0 in range(0, M, step):
+            m1 = min(M, m0 + step)
+            q_rows = q.index_select(0, at[m0 * tile:m1 * tile]).view(m1 - m0, tile, D)
+            torch.bmm(q_rows, kb.index_select(0, tile_group[m0:m1]).transpose(1, 2), out=logits[m0:m1])
+        logits = logits.view(-1, block)
         logits[partial] = logits[partial].masked_fill_(hidden, NEG_INF)
-        top = q.new_full((BHT,), NEG_INF).scatter_reduce_(0, rows, logits.amax(-1), "amax")  # each query's max
+        top = q.new_full((BHT + 1,), NEG_INF).scatter_reduce_(0, rows, logits.amax(-1), "amax")  # each query's max
         top.masked_fill_(top == NEG_INF, 0.0)  # a query that sees no key: its logits stay -inf, exp 0
         p = logits.sub_(top[rows, None]).exp_()
-        total = q.new_zeros(BHT).index_add_(0, rows, p.sum(-1))
+        total = q.new_zeros(BHT + 1).index_add_(0, rows, p.sum(-1))
         p.div_(total.clamp_(min=1.0)[rows, None])  # total >= 1 wherever a key is seen (its max term is exp 0)
-        out = torch.zeros_like(q)
-        with one_thread():
-            for a, b, groups in spans:
-                part = q.new_empty(b - a, vb.shape[-1])
-                for g, s, e in groups:
-                    torch.mm(p[a + s:a + e], vb[g], out=part[s:e])
-                out.index_add_(0, rows[a:b], part)
-        ctx.save_for_backward(q, kb, vb, p, rows, out)
-        ctx.spans = spans
+        out = q.new_zeros(BHT + 1, vb.shape[-1])
+        p_tiles = p.view(M, tile, block)
+        for m0 in range(0, M, step):
+            m1 = min(M, m0 + step)
+            part = torch.bmm(p_tiles[m0:m1], vb.index_select(0, tile_group[m0:m1]))
+            out.index_add_(0, rows[m0 * tile:m1 * tile], part.view(-1, part.shape[-1]))
+        out = out[:BHT]
+        ctx.save_for_backward(q, kb, vb, p, rows, tile_group, out)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, kb, vb, p, rows, out = ctx.saved_tensors
+        q, kb, vb, p, rows, tile_group, out = ctx.saved_tensors
+        BHT, D = q.shape
+        M = tile_group.numel()
+        tile, block = rows.numel() // max(1, M), kb.shape[1]
+        at = rows.clamp(max=BHT - 1)
+        step = max(1, DISPATCH_PAIRS // tile)
         d_out = d_out.contiguous()
         dot = (d_out * out).sum(-1)  # (BHT,) rowsum(dP * P) of each query's softmax
-        dq, dkb, dvb = torch.zeros_like(q), torch.zeros_like(kb), torch.zeros_like(vb)
-        with one_thread():  # per-group ops too small to split (see `one_thread`)
-            for a, b, groups in ctx.spans:
-                d_rows, q_rows = d_out.index_select(0, rows[a:b]), q.index_select(0, rows[a:b])
-                d_logits, part = q.new_empty(b - a, kb.shape[1]), q.new_empty(b - a, q.shape[1])
-                for g, s, e in groups:
-                    torch.mm(p[a + s:a + e].T, d_rows[s:e], out=dvb[g])
-                    torch.mm(d_rows[s:e], vb[g].T, out=d_logits[s:e])
-                d_logits.sub_(dot[rows[a:b], None]).mul_(p[a:b])  # softmax's backward
-                for g, s, e in groups:
-                    torch.mm(d_logits[s:e], kb[g], out=part[s:e])
-                    torch.mm(d_logits[s:e].T, q_rows[s:e], out=dkb[g])
-                dq.index_add_(0, rows[a:b], part)
-        return dq, dkb, dvb, *[None] * 5
+        dq = q.new_zeros(BHT + 1, D)
+        dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+        p_tiles = p.view(M, tile, block)
+        for m0 in range(0, M, step):
+            m1 = min(M, m0 + step)
+            r, a = rows[m0 * tile:m1 * tile], at[m0 * tile:m1 * tile]
+            d_rows = d_out.index_select(0, a).view(m1 - m0, tile, -1)  # a padding row's p is 0: it adds nothing
+            q_rows = q.index_select(0, a).view(m1 - m0, tile, D)
+            kt, vt = kb.index_select(0, tile_group[m0:m1]), vb.index_select(0, tile_group[m0:m1])
+            pt = p_tiles[m0:m1]
+            dvb.index_add_(0, tile_group[m0:m1], torch.bmm(pt.transpose(1, 2), d_rows))
+            d_logits = torch.bmm(d_rows, vt.transpose(1, 2))
+            d_logits.sub_(dot[a].view(m1 - m0, tile, 1)).mul_(pt)  # softmax's backward
+            dq.index_add_(0, r, torch.bmm(d_logits, kt).view(-1, D))
+            dkb.index_add_(0, tile_group[m0:m1], torch.bmm(d_logits.transpose(1, 2), q_rows))
+        return dq[:BHT], dkb, dvb, *[None] * 4
 
 
 def block_dispatch(q, k, v, blocks, off, block, first):
@@ -879,13 +870,14 @@ def block_dispatch(q, k, v, blocks, off, block, first):
 
     Routed as a mixture of experts is ([MoBA]'s own reading of its selection): every
     (query, slot) pair joins the pairs that chose the same (batch, head, block), and each
-    group is one (pairs, D) @ (D, block) matmul against its block's keys, so a block's keys
-    are read once per group instead of once per query (gathering every query's keys,
-    (T, n * block, D), made this op 10x slower than dense causal SDPA at T = 2048). Then
-    one softmax per query over its n * block logits, and per group (pairs, block) @
-    (block, D) into the outputs. Time O(T n block D) in matmuls plus a Python loop over the
-    (batch, head, block) groups; memory O(T n block) for the logits and probabilities, never
-    (T, S). The routing is computed here, the attention over the groups is `BlockDispatch`."""
+    group's pairs, in tiles of DISPATCH_TILE (`tile_layout`), are (tile, D) @ (D, block)
+    products against its block's keys, so a block's keys are read once per tile instead of
+    once per query (gathering every query's keys, (T, n * block, D), made this op 10x slower
+    than dense causal SDPA at T = 2048). Then one softmax per query over its n * block
+    logits, and per tile (tile, block) @ (block, D) into the outputs. Time O(T n block D) in
+    batched matmuls, a span of tiles each; memory O(T n block) for the logits and
+    probabilities, never (T, S). The routing is computed here, the attention over the tiles
+    is `BlockDispatch`."""
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
@@ -899,7 +891,9 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     pair = ok.flatten().nonzero().squeeze(1)  # (P,) valid (query, slot) pairs, index into B * H * T * n
     order = torch.argsort(group.flatten()[pair], stable=True)
     pair = pair[order]
-    sizes = torch.bincount(group.flatten()[pair], minlength=B * H * nb).tolist()  # pairs per group
+    pos, tile_group = tile_layout(group.flatten()[pair], B * H * nb, DISPATCH_TILE)
+    rows = torch.full((tile_group.numel() * DISPATCH_TILE,), B * H * T, device=q.device)  # B H T: padding
+    rows[pos] = pair // n
     # visible: the keys j of a listed block at offsets lo <= j <= hi, lo = first - its start (keys
     # before the first: only in block first // block), hi = the query's position - its start (the
     # query's own block, or a later one); every other listed block is visible whole
@@ -909,8 +903,11 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     partial = ((hi < block - 1) | (lo > 0)).nonzero().squeeze(1)  # sorted positions
     inside = torch.arange(block, device=q.device)
     hidden = (inside > hi[partial, None]) | (inside < lo[partial, None])  # (len(partial), block)
+    padding = (rows == B * H * T).nonzero().squeeze(1)  # every key hidden
+    partial = torch.cat([pos[partial], padding])
+    hidden = torch.cat([hidden, hidden.new_ones(padding.numel(), block)])
     out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
-                              pair, sizes, n, partial, hidden)
+                              rows, tile_group, partial, hidden)
     return out.view(B, H, T, D)
 
 

@@ -416,25 +416,33 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     assert rel(flex, ref) < 1e-5
 
 
-@pytest.mark.parametrize("span", [1, 7, 40])
-def test_block_attention_over_many_spans_equals_the_reference(monkeypatch, span):
-    """The blockwise form's loops over spans of groups (one group, a few, many per span; one
-    span in the test above): outputs and gradients as the reference's."""
+@pytest.mark.parametrize("span,tile", [(1, 1), (7, 3), (40, 4), (40, 64)])
+def test_block_attention_over_many_spans_and_tiles_equals_the_reference(monkeypatch, span, tile):
+    """The blockwise form's loops over spans of tiles (one tile a span, a few, all in one) and
+    its groups cut into tiles (of one pair, a few, larger than every group: padding rows in
+    most tiles): outputs and gradients as the reference's."""
     monkeypatch.setattr(kernels, "DISPATCH_PAIRS", span)
+    monkeypatch.setattr(kernels, "DISPATCH_TILE", tile)
     T, q_start, k_start, block = 50, 20, 4, 8
-    g = torch.Generator().manual_seed(span)
+    g = torch.Generator().manual_seed(span + tile)
     q = torch.randn(2, 4, T, 8, generator=g).requires_grad_()
     k, v = (torch.randn(2, 2, q_start + T - k_start, 8, generator=g).requires_grad_() for _ in range(2))
     blocks = random_blocks(2, 4, T, q_start, block, 4, span)
     cot = torch.randn(2, 4, T, 8, generator=g)
     ref = attention.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
     out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks)
-    spans = kernels.pair_spans([2, 2, 0, 2, 2, 2])  # 10 pairs in 5 groups: spans of whole groups
-    assert len(spans) == {1: 5, 7: 2, 40: 1}[span]
-    assert [(a + s, a + e) for a, _, groups in spans for _, s, e in groups] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
         assert rel(a, b) < 1e-4
+
+
+def test_tile_layout_cuts_each_group_into_padded_tiles_in_order():
+    """Groups of 5, 0, 2 and 3 pairs in tiles of 2: 3 + 0 + 1 + 2 tiles, each group's pairs in
+    order from its first tile's first row, the rows after a group's last pair left as padding."""
+    group = torch.tensor([0, 0, 0, 0, 0, 2, 2, 3, 3, 3])
+    pos, tile_group = kernels.tile_layout(group, 4, 2)
+    assert tile_group.tolist() == [0, 0, 0, 2, 3, 3]
+    assert pos.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 
 
 def test_block_attention_with_no_visible_key_gives_zero():
@@ -555,23 +563,6 @@ def test_flex_forward_has_no_graph_breaks(attn):
 def test_bad_settings_name_the_flag(flags, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig(**flags)
-
-
-def test_one_thread_runs_its_block_on_one_thread_and_restores_the_count():
-    """kernels.one_thread (BlockDispatch's per-group loops): one intra-op thread inside, the
-    caller's count after, also when the block raises."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with kernels.one_thread():
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with pytest.raises(ValueError):
-            with kernels.one_thread():
-                raise ValueError("inside")
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_top_blocks_masks_a_copy_unless_the_scores_are_its_own():
