@@ -771,7 +771,7 @@ def tile_layout(group, G, tile):
     """Where each pair goes when every group's pairs are cut into tiles of `tile` rows, the
     groups in order, each group's last tile padded: group (P,) the sorted pairs' groups
     (ascending), G the number of groups. Returns pos (P,), each pair's row in the padded
-    order, and tile_group (M,), each tile's group (M tiles, M tile rows in all)."""
+    order, and tile_group (M,), each tile's group (M tiles, M x tile rows in all)."""
     sizes = torch.bincount(group, minlength=G)
     tiles = (sizes + tile - 1) // tile
     tile_group = torch.repeat_interleave(torch.arange(G, device=group.device), tiles)
@@ -782,7 +782,7 @@ def tile_layout(group, G, tile):
 
 class BlockDispatch(torch.autograd.Function):
     """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
-    key and value blocks kb, vb (G, block, D); rows (M tile,) the query row of each padded
+    key and value blocks kb, vb (G, block, D); rows (M x tile,) the query row of each padded
     pair (BHT: padding), the pairs sorted by group and each group's cut into tiles of `tile`
     rows; tile_group (M,) each tile's group. Every key of a listed block is visible but at
     the padded positions `partial`, where `hidden` (len(partial), block) is True (a query's own
