@@ -784,7 +784,7 @@ class BlockDispatch(torch.autograd.Function):
     """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
     key and value blocks kb, vb (G, block, D); rows (M x tile,) the query row of each padded
     pair (BHT: padding), the pairs sorted by group and each group's cut into tiles of `tile`
-    rows; tile_group (M,) each tile's group. Every key of a listed block is visible but at
+    rows; tile_group (M,) each tile's group (none where no query lists a block). Every key of a listed block is visible but at
     the padded positions `partial`, where `hidden` (len(partial), block) is True (a query's own
     block, a block that starts before the first key, and every padding row).
 
@@ -807,10 +807,9 @@ class BlockDispatch(torch.autograd.Function):
     key block."""
 
     @staticmethod
-    def forward(ctx, q, kb, vb, rows, tile_group, partial, hidden):
+    def forward(ctx, q, kb, vb, rows, tile_group, tile, partial, hidden):
         BHT, D = q.shape
-        M = tile_group.numel()
-        tile, block = rows.numel() // max(1, M), kb.shape[1]
+        M, block = tile_group.numel(), kb.shape[1]
         at = rows.clamp(max=BHT - 1)  # a padding row reads some query's row; its logits are hidden
         step = max(1, DISPATCH_PAIRS // tile)  # tiles per span
         logits = q.new_empty(M, tile, block)
@@ -833,14 +832,14 @@ class BlockDispatch(torch.autograd.Function):
             out.index_add_(0, rows[m0 * tile:m1 * tile], part.view(-1, part.shape[-1]))
         out = out[:BHT]
         ctx.save_for_backward(q, kb, vb, p, rows, tile_group, out)
+        ctx.tile = tile
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, kb, vb, p, rows, tile_group, out = ctx.saved_tensors
         BHT, D = q.shape
-        M = tile_group.numel()
-        tile, block = rows.numel() // max(1, M), kb.shape[1]
+        M, tile, block = tile_group.numel(), ctx.tile, kb.shape[1]
         at = rows.clamp(max=BHT - 1)
         step = max(1, DISPATCH_PAIRS // tile)
         d_out = d_out.contiguous()
@@ -860,7 +859,7 @@ class BlockDispatch(torch.autograd.Function):
             d_logits.sub_(dot[a].view(m1 - m0, tile, 1)).mul_(pt)  # softmax's backward
             dq.index_add_(0, r, torch.bmm(d_logits, kt).view(-1, D))
             dkb.index_add_(0, tile_group[m0:m1], torch.bmm(d_logits.transpose(1, 2), q_rows))
-        return dq[:BHT], dkb, dvb, *[None] * 4
+        return dq[:BHT], dkb, dvb, *[None] * 5
 
 
 def block_dispatch(q, k, v, blocks, off, block, first):
@@ -907,7 +906,7 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     partial = torch.cat([pos[partial], padding])
     hidden = torch.cat([hidden, hidden.new_ones(padding.numel(), block)])
     out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
-                              rows, tile_group, partial, hidden)
+                              rows, tile_group, DISPATCH_TILE, partial, hidden)
     return out.view(B, H, T, D)
 
 

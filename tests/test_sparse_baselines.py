@@ -465,6 +465,16 @@ def test_block_attention_with_no_visible_key_gives_zero():
         assert rel(a, b) < 1e-4
 
 
+def test_block_attention_with_no_block_listed_at_all_gives_zero():
+    """No query lists any block (no pair to route, no tile): zeros and zero gradients, as in
+    the reference, not an error."""
+    q, k, v = (torch.randn(1, 2, 5, 8).requires_grad_() for _ in range(3))
+    blocks = torch.full((1, 2, 5, 3), -1)
+    out = kernels.BLOCKWISE.block_attention(q, k, v, 0.3, 0, 0, 4, blocks)
+    assert torch.equal(out, attention.block_attention(q, k, v, 0.3, 0, 0, 4, blocks)) and out.abs().max() == 0
+    assert all(g.abs().max() == 0 for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
 @pytest.mark.parametrize("attn,flags", [("nsa", {}), ("nsa", dict(nsa_compress="mlp")),
                                         ("nsa", dict(nsa_branches="cmp,win")), ("moba", {})])
 def test_fused_and_flex_equal_the_reference(monkeypatch, attn, flags):
