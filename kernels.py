@@ -798,7 +798,7 @@ class BlockDispatch(torch.autograd.Function):
     matmul per group instead (a Python loop over the (batch, head, block) groups, run on one
     thread: each tiny product handed to a second OpenMP thread cost more than it saved) left
     one of two cores idle: nsa's and moba's training steps at train.py's CPU preset ran at
-    0.48x and 0.70x of `full`'s, 0.56x and 0.84x with the tiles, side by side
+    0.45x and 0.56x of `full`'s, 0.59x and 0.81x with the tiles, side by side
     (benchmarks/train_step_regression.md). Placing each pair's logits at its query (a (BHT
     n, block) array, one softmax over each row) took 1.5-1.7x the sorted form. Keeps the
     probabilities (M tile, block) and the output; the backward uses rowsum(dP * P) = dO . O
@@ -935,7 +935,13 @@ def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_fr
         if split > 0:
             parts.append(_banded(q[:, :, :split], k[:, :, :off + split], v[:, :, :off + split],
                                  off, None, scale, bias, 0))
-        if split < T:
+        if 0 < split < T and off == 0 and bias is None:
+            # the band of every query, the first split's outputs dropped: without keys before the
+            # first query a band's blocks may span heads (`Band.chunks`); the later queries alone
+            # start at a real key, and their bands went one head at a time (dsa's CPU training
+            # step at train.py's preset: 0.68x `full`'s, its 512 per-head chunks ~1/2 of it)
+            parts.append(_banded(q, k, v, off, window, scale, bias, 0)[:, :, split:])
+        elif split < T:
             parts.append(_banded(q[:, :, split:], k, v, off + split, window, scale, bias, split))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 

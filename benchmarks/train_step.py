@@ -6,7 +6,7 @@ model per attention configuration, on CPU, as a ratio to `full` measured side by
     python benchmarks/train_step.py --only=asga,caa --shapes=study --rounds=7
 
 Shapes: `cpu` is train.py's CPU preset (the `bytes` model, 4 layers, T = 256, batch 16, one
-micro-batch of the 4096-token step); `study` is experiments/sweep.py's text runs (2 layers,
+micro-batch of the 4096-token step, the preset's window of 64 and nsa's and moba's sizes); `study` is experiments/sweep.py's text runs (2 layers,
 T = 512, batch 2, window 64). Configurations: every variant in attention.VARIANTS at its
 defaults, plus each flag that changes the cost (asga's gate space, fixed gate, no gate;
 caa's forced branches; dsa's windows; see CONFIGS).
@@ -55,7 +55,7 @@ sys.path.insert(0, ROOT)
 import attention  # noqa: E402
 import kernels  # noqa: E402
 from attention import rope_cos_sin  # noqa: E402
-from config import keep_freed_memory  # noqa: E402
+from config import TRAIN_PRESETS, keep_freed_memory  # noqa: E402
 from model import MODEL_FIELDS, PRESETS, Model, ModelConfig  # noqa: E402
 
 # (name, variant, flags): each flag that changes the cost of a step. Variants added to
@@ -78,7 +78,11 @@ CONFIGS = [
 
 # model: a model.PRESETS name plus overrides; T, B: sequence length and sequences per step.
 SHAPES = {
-    "cpu": dict(model="bytes", overrides={}, T=256, B=16),
+    # train.py's CPU preset with its attention sizes (windows of 64, nsa's and moba's blocks for
+    # T = 256): at the model's defaults for T = 1024 (window 256, dsa's threshold 512) local, dsa
+    # and the indexer ran full attention here
+    "cpu": dict(model="bytes", overrides={k: v for k, v in TRAIN_PRESETS["cpu"].items() if k in MODEL_FIELDS},
+                T=256, B=16),
     # experiments/sweep.py's TEXT (the study's text runs): one micro-batch is the whole step
     "study": dict(model="tiny", overrides=dict(vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=4,
                                                head_dim=32, mlp_hidden=384, window=64, dsa_threshold=128,
