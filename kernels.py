@@ -784,9 +784,10 @@ class BlockDispatch(torch.autograd.Function):
     """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
     key and value blocks kb, vb (G, block, D); rows (M x tile,) the query row of each padded
     pair (BHT: padding), the pairs sorted by group and each group's cut into tiles of `tile`
-    rows; tile_group (M,) each tile's group (none where no query lists a block). Every key of a listed block is visible but at
-    the padded positions `partial`, where `hidden` (len(partial), block) is True (a query's own
-    block, a block that starts before the first key, and every padding row).
+    rows; tile_group (M,) each tile's group (none where no query lists a block). Every key of
+    a listed block is visible but at the padded positions `partial`, where `hidden`
+    (len(partial), block) is True (a query's own block, a block that starts before the first
+    key, and every padding row).
 
     Everything stays in the pairs' sorted order, as [MoBA]'s own code keeps it (its varlen
     attention over each block's queries): a span of tiles at a time, its queries' rows
@@ -801,7 +802,7 @@ class BlockDispatch(torch.autograd.Function):
     0.45x and 0.56x of `full`'s, 0.59x and 0.81x with the tiles, side by side
     (benchmarks/train_step_regression.md). Placing each pair's logits at its query (a (BHT
     n, block) array, one softmax over each row) took 1.5-1.7x the sorted form. Keeps the
-    probabilities (M tile, block) and the output; the backward uses rowsum(dP * P) = dO . O
+    probabilities (M x tile, block) and the output; the backward uses rowsum(dP * P) = dO . O
     for the softmax ([Flash]) and needs no segmented op.
     Why a Function: autograd over the span's gathers and matmuls kept every gathered row and
     key block."""
