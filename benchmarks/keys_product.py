@@ -1,10 +1,12 @@
 """A decoding step's product of a few query rows with cached keys stored along the positions
-(a CPU cache's `keys_last`: K^T (N, D, S) with S contiguous), three ways, in turns, with the
+(a CPU cache's `keys_last`: K^T (N, D, S) with S contiguous), four ways, in turns, with the
 caches flushed before each call (a read of 128 MB, as a step's weights stream through them):
 
     whole   torch.bmm(rows, K^T)
     pieces  the product over D in pieces of kernels.KEY_STREAMS rows of K^T, summed
     keys_times  what kernels.keys_times runs (pieces for 2 to KEY_ROWS rows on a CPU, else whole)
+    by_row  each row on its own, R matrix-vector products (kT read R times; from cache after the
+            first where it fits)
 
 beside a plain sum over the same keys (what reading them once costs). One thread.
 
@@ -39,15 +41,21 @@ def pieces(rows, kT):
     return out
 
 
+def by_row(rows, kT):
+    """One product per query row: BLAS's matrix-vector product, which streams at a sum's speed."""
+    return torch.cat([torch.bmm(rows[:, r:r + 1], kT) for r in range(rows.shape[1])], 1)
+
+
 def measure(N, R, D, S, turns, flush):
     """{form: median ms} over `turns` turns of every form, the caches flushed before each call."""
     g = torch.Generator().manual_seed(0)
     kT = torch.randn(N, D, S + 1024, generator=g)[..., :S]  # spare capacity after each row, as a cache's
     rows = torch.randn(N, R, D, generator=g)
     forms = {"whole": lambda: torch.bmm(rows, kT), "pieces": lambda: pieces(rows, kT),
-             "keys_times": lambda: kernels.keys_times(rows, kT), "sum": lambda: kT.sum()}
+             "keys_times": lambda: kernels.keys_times(rows, kT), "by_row": lambda: by_row(rows, kT),
+             "sum": lambda: kT.sum()}
     want = forms["whole"]()
-    for name in ("pieces", "keys_times"):
+    for name in ("pieces", "keys_times", "by_row"):
         torch.testing.assert_close(forms[name](), want, rtol=1e-4, atol=1e-4)
     times = {name: [] for name in forms}
     for _ in range(turns):
@@ -70,13 +78,15 @@ def main(argv=None):
     print(f"keys_product.py: torch {torch.__version__}, 1 thread, {turns} turns, KEY_STREAMS {kernels.KEY_STREAMS}, "
           f"KEY_ROWS {kernels.KEY_ROWS}")
     print()
-    print("| N | rows | D | keys | MB | whole ms | pieces ms | pieces / whole | keys_times ms | sum ms | keys_times / sum |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| N | rows | D | keys | MB | whole ms | pieces ms | pieces / whole | keys_times ms | sum ms | keys_times / sum "
+          "| by row ms | by row / keys_times |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for N, R, D, S in shapes:
         ms = measure(N, R, D, S, turns, flush)
         print(f"| {N} | {R} | {D} | {S} | {N * D * S * 4 / 1e6:.1f} | {ms['whole']:.2f} | {ms['pieces']:.2f} | "
               f"{ms['pieces'] / ms['whole']:.2f} | {ms['keys_times']:.2f} | {ms['sum']:.2f} | "
-              f"{ms['keys_times'] / ms['sum']:.2f} |", flush=True)
+              f"{ms['keys_times'] / ms['sum']:.2f} | {ms['by_row']:.2f} | {ms['by_row'] / ms['keys_times']:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -482,8 +482,8 @@ def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
 
 def test_keys_product_prints_each_shapes_forms_after_checking_they_agree():
     """benchmarks/keys_product.py --quick: one row per shape, each form's time beside the sum's,
-    after it has checked that the pieces and keys_times equal the whole product (it exits
-    non-zero where they do not)."""
+    after it has checked that the pieces, keys_times and the rows one by one equal the whole
+    product (it exits non-zero where they do not)."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "keys_product.py"), "--quick"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
