@@ -7,9 +7,10 @@ model per attention configuration, on CPU, as a ratio to `full` measured side by
 
 Shapes: `cpu` is train.py's CPU preset (the `bytes` model, 4 layers, T = 256, batch 16, one
 micro-batch of the 4096-token step, the preset's window of 64 and nsa's and moba's sizes);
-`study` is experiments/sweep.py's text runs (2 layers, T = 512, batch 2, window 64). Configurations: every variant in attention.VARIANTS at its
-defaults, plus each flag that changes the cost (asga's gate space, fixed gate, no gate;
-caa's forced branches; dsa's windows; see CONFIGS).
+`study` is experiments/sweep.py's text runs (2 layers, T = 512, batch 2, window 64).
+Configurations: every variant in attention.VARIANTS at its defaults, plus each flag that
+changes the cost (asga's gate space, fixed gate, no gate; caa's forced branches; dsa's
+windows; see CONFIGS).
 
 Time: every model is built and stepped once (warm-up: AdamW state, compiled tiles), then
 each configuration is timed in rounds interleaved with `full` (A B A B ..., `steps` steps a
