@@ -69,7 +69,9 @@ here and the loops write into float32 buffers):
   are grouped by the (batch, head, block) they chose, as a mixture of experts routes tokens,
   each group cut into tiles of DISPATCH_TILE pairs; one batched matmul per span of tiles
   against their blocks' keys, one softmax per query over its n blocks. Time O(T n block D)
-  in matmuls, memory O(T n block).
+  in matmuls, memory O(T n block) for the probabilities a backward needs; without a
+  gradient (a prefill) one span's, each span's logits computed in both of the softmax's
+  passes.
 - nsa's compressed branch: `CompressedAttention`, one chunk of queries against the compressed
   keys it can see; the chunk's probabilities give its output and its block scores, from
   which it chooses its blocks at once (no (T, J) scores kept); the backward recomputes the
@@ -162,8 +164,12 @@ Ops = namedtuple("Ops", "name attention pair_gated_attention topk_attention comb
 def expand_kv(k_BHSD, n_head):
     """Grouped-query attention: repeat each key/value head for the query heads that share it,
     as attention.expand_kv does (a copy: the FlexAttention path uses enable_gqa instead, the
-    DECODE path stacks a key head's query heads as rows, `_head_rows`)."""
-    return k_BHSD.repeat_interleave(n_head // k_BHSD.shape[1], dim=1)
+    DECODE path stacks a key head's query heads as rows, `_head_rows`). Without GQA the
+    tensor itself: repeat_interleave copies even one repeat, and at T = 32768 nsa's prefill
+    made four such copies a layer (100 MB each at qwen-134m's 12 heads), each touching fresh
+    memory. The loops here only read what it returns."""
+    G = n_head // k_BHSD.shape[1]
+    return k_BHSD if G == 1 else k_BHSD.repeat_interleave(G, dim=1)
 
 
 def ceil_div(a, b):
@@ -781,59 +787,71 @@ def tile_layout(group, G, tile):
 
 
 class BlockDispatch(torch.autograd.Function):
-    """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), the
-    key and value blocks kb, vb (G, block, D); rows (M x tile,) the query row of each padded
+    """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), its
+    rows multiplied by `scale` as a span gathers them (q * scale in whole would be another
+    (BHT, D) array, 100 MB at T = 32768 and 12 heads); the key and value blocks kb, vb (G,
+    block, D); rows (M x tile,) the query row of each padded
     pair (BHT: padding), the pairs sorted by group and each group's cut into tiles of `tile`
-    rows; tile_group (M,) each tile's group (none where no query lists a block). Every key of
-    a listed block is visible but at the padded positions `partial`, where `hidden`
-    (len(partial), block) is True (a query's own block, a block that starts before the first
-    key, and every padding row).
+    rows; tile_group (M,) each tile's group (none where no query lists a block); lo, hi (M x
+    tile,) the keys of its block each padded pair sees, lo <= key <= hi (a query's own block,
+    a block that starts before the first key; lo > hi for a padding row).
 
     Everything stays in the pairs' sorted order, as [MoBA]'s own code keeps it (its varlen
     attention over each block's queries): a span of tiles at a time, its queries' rows
     gathered in one index_select and its tiles' key blocks in another, one batched matmul
     gives its (tiles, tile, block) logits; each query's softmax over its n slots then runs as
-    a segmented one, the max over a query's pairs by scatter_reduce and the sum by index_add_
-    (a query that sees no key gets 0, as does a padding row); per span its probabilities @
-    its tiles' value blocks in one batched matmul, added into its queries' outputs. One
-    matmul per group instead (a Python loop over the (batch, head, block) groups, run on one
-    thread: each tiny product handed to a second OpenMP thread cost more than it saved) left
-    one of two cores idle: nsa's and moba's training steps at train.py's CPU preset ran at
-    0.45x and 0.56x of `full`'s, 0.59x and 0.81x with the tiles, side by side
+    a segmented one, the max over a query's pairs by scatter_reduce (a first pass over the
+    spans), the sum by index_add_ (a query that sees no key gets 0, as does a padding row);
+    per span its unnormalised probabilities @ its tiles' value blocks in one batched matmul,
+    added into its queries' outputs, divided by the sums at the end. One matmul per group
+    instead (a Python loop over the (batch, head, block) groups, run on one thread: each tiny
+    product handed to a second OpenMP thread cost more than it saved) left one of two cores
+    idle: nsa's and moba's training steps at train.py's CPU preset ran at 0.45x and 0.56x of
+    `full`'s, 0.59x and 0.81x with the tiles, side by side
     (benchmarks/train_step_regression.md). Placing each pair's logits at its query (a (BHT
-    n, block) array, one softmax over each row) took 1.5-1.7x the sorted form. Keeps the
-    probabilities (M x tile, block) and the output; the backward uses rowsum(dP * P) = dO . O
-    for the softmax ([Flash]) and needs no segmented op.
+    n, block) array, one softmax over each row) took 1.5-1.7x the sorted form.
+    With a gradient to take, the logits of every span are kept (M x tile, block), become the
+    probabilities the backward uses (rowsum(dP * P) = dO . O for the softmax, [Flash]; no
+    segmented op). Without one (a prefill), no (M x tile, block) array exists: each pass
+    computes a span's logits again into one span-sized buffer. At T = 32768 (nsa, qwen-134m's
+    12 heads) the kept array is 430 MB of memory touched for the first time, and writing it
+    took 1.2-1.3 s of the 1.3-2.3 s this op took; two passes of span-sized products take
+    ~0.35 s.
     Why a Function: autograd over the span's gathers and matmuls kept every gathered row and
     key block."""
 
     @staticmethod
-    def forward(ctx, q, kb, vb, rows, tile_group, tile, partial, hidden):
+    def forward(ctx, q, kb, vb, rows, tile_group, tile, lo, hi, scale):
         BHT, D = q.shape
         M, block = tile_group.numel(), kb.shape[1]
         at = rows.clamp(max=BHT - 1)  # a padding row reads some query's row; its logits are hidden
         step = max(1, DISPATCH_PAIRS // tile)  # tiles per span
-        logits = q.new_empty(M, tile, block)
-        for m0 in range(0, M, step):
-            m1 = min(M, m0 + step)
-            q_rows = q.index_select(0, at[m0 * tile:m1 * tile]).view(m1 - m0, tile, D)
-            torch.bmm(q_rows, kb.index_select(0, tile_group[m0:m1]).transpose(1, 2), out=logits[m0:m1])
-        logits = logits.view(-1, block)
-        logits[partial] = logits[partial].masked_fill_(hidden, NEG_INF)
-        top = q.new_full((BHT + 1,), NEG_INF).scatter_reduce_(0, rows, logits.amax(-1), "amax")  # each query's max
+        spans = [(m0 * tile, min(M, m0 + step) * tile, m0, min(M, m0 + step)) for m0 in range(0, M, step)]
+        keep = any(ctx.needs_input_grad[:3])
+        logits = q.new_empty(M * tile if keep else min(M, step) * tile, block)
+        inside = torch.arange(block, device=q.device)
+
+        def span_logits(r0, r1, m0, m1):  # the span's masked logits: rows r0 .. r1 - 1 of the padded pairs
+            s = logits[r0:r1] if keep else logits[:r1 - r0]
+            q_rows = q.index_select(0, at[r0:r1]).mul_(scale).view(m1 - m0, tile, D)
+            torch.bmm(q_rows, kb.index_select(0, tile_group[m0:m1]).transpose(1, 2), out=s.view(m1 - m0, tile, block))
+            return s.masked_fill_((inside < lo[r0:r1, None]) | (inside > hi[r0:r1, None]), NEG_INF)
+
+        top = q.new_full((BHT + 1,), NEG_INF)  # each query's max
+        for r0, r1, m0, m1 in spans:
+            top.scatter_reduce_(0, rows[r0:r1], span_logits(r0, r1, m0, m1).amax(-1), "amax")
         top.masked_fill_(top == NEG_INF, 0.0)  # a query that sees no key: its logits stay -inf, exp 0
-        p = logits.sub_(top[rows, None]).exp_()
-        total = q.new_zeros(BHT + 1).index_add_(0, rows, p.sum(-1))
-        p.div_(total.clamp_(min=1.0)[rows, None])  # total >= 1 wherever a key is seen (its max term is exp 0)
-        out = q.new_zeros(BHT + 1, vb.shape[-1])
-        p_tiles = p.view(M, tile, block)
-        for m0 in range(0, M, step):
-            m1 = min(M, m0 + step)
-            part = torch.bmm(p_tiles[m0:m1], vb.index_select(0, tile_group[m0:m1]))
-            out.index_add_(0, rows[m0 * tile:m1 * tile], part.view(-1, part.shape[-1]))
-        out = out[:BHT]
-        ctx.save_for_backward(q, kb, vb, p, rows, tile_group, out)
-        ctx.tile = tile
+        total, out = q.new_zeros(BHT + 1), q.new_zeros(BHT + 1, vb.shape[-1])
+        for r0, r1, m0, m1 in spans:
+            p = (logits[r0:r1] if keep else span_logits(r0, r1, m0, m1)).sub_(top[rows[r0:r1], None]).exp_()
+            total.index_add_(0, rows[r0:r1], p.sum(-1))
+            out.index_add_(0, rows[r0:r1], torch.bmm(p.view(m1 - m0, tile, block),
+                                                     vb.index_select(0, tile_group[m0:m1])).view(-1, D))
+        total.clamp_(min=1.0)  # total >= 1 wherever a key is seen (its max term is exp 0)
+        out = out[:BHT].div_(total[:BHT, None])
+        if keep:
+            ctx.save_for_backward(q, kb, vb, logits.div_(total[rows, None]), rows, tile_group, out)
+            ctx.tile, ctx.scale = tile, scale
         return out
 
     @staticmethod
@@ -852,7 +870,7 @@ class BlockDispatch(torch.autograd.Function):
             m1 = min(M, m0 + step)
             r, a = rows[m0 * tile:m1 * tile], at[m0 * tile:m1 * tile]
             d_rows = d_out.index_select(0, a).view(m1 - m0, tile, -1)  # a padding row's p is 0: it adds nothing
-            q_rows = q.index_select(0, a).view(m1 - m0, tile, D)
+            q_rows = q.index_select(0, a).mul_(ctx.scale).view(m1 - m0, tile, D)
             kt, vt = kb.index_select(0, tile_group[m0:m1]), vb.index_select(0, tile_group[m0:m1])
             pt = p_tiles[m0:m1]
             dvb.index_add_(0, tile_group[m0:m1], torch.bmm(pt.transpose(1, 2), d_rows))
@@ -860,11 +878,11 @@ class BlockDispatch(torch.autograd.Function):
             d_logits.sub_(dot[a].view(m1 - m0, tile, 1)).mul_(pt)  # softmax's backward
             dq.index_add_(0, r, torch.bmm(d_logits, kt).view(-1, D))
             dkb.index_add_(0, tile_group[m0:m1], torch.bmm(d_logits.transpose(1, 2), q_rows))
-        return dq[:BHT], dkb, dvb, *[None] * 5
+        return dq[:BHT].mul_(ctx.scale), dkb, dvb, *[None] * 6
 
 
-def block_dispatch(q, k, v, blocks, off, block, first):
-    """attention.block_attention for q (B, H, T, D) already scaled and k, v (B, H, S, D)
+def block_dispatch(q, k, v, blocks, off, block, first, scale):
+    """attention.block_attention for q (B, H, T, D), its logits times `scale`, and k, v (B, H, S, D)
     whose key s sits at absolute position first + s, query t at first + off + t. blocks
     (B, H, T, n): absolute block numbers, -1 = none.
 
@@ -875,14 +893,15 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     once per query (gathering every query's keys, (T, n * block, D), made this op 10x slower
     than dense causal SDPA at T = 2048). Then one softmax per query over its n * block
     logits, and per tile (tile, block) @ (block, D) into the outputs. Time O(T n block D) in
-    batched matmuls, a span of tiles each; memory O(T n block) for the logits and
-    probabilities, never (T, S). The routing is computed here, the attention over the tiles
+    batched matmuls, a span of tiles each; memory O(T n block) for the probabilities the
+    backward keeps (none without a gradient: one span's), never (T, S). The routing is computed here, the attention over the tiles
     is `BlockDispatch`."""
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
-    kb = to_blocks(F.pad(k, (0, 0, before, 0)), block)  # (B, H, nb, block, D), block 0 = first // block
-    vb = to_blocks(F.pad(v, (0, 0, before, 0)), block)  # (F.pad's copy: each block's rows contiguous)
+    kb, vb = (to_blocks(F.pad(x, (0, 0, before, 0)) if before else x, block) for x in (k, v))  # (B, H, nb, block, D),
+    # block 0 = first // block; F.pad copies even a pad of 0, and the reshapes below copy only where the rows are
+    # not already contiguous blocks
     nb = kb.shape[2]
     rel = blocks - first // block  # (B, H, T, n) block index in kb
     ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
@@ -898,16 +917,12 @@ def block_dispatch(q, k, v, blocks, off, block, first):
     # before the first: only in block first // block), hi = the query's position - its start (the
     # query's own block, or a later one); every other listed block is visible whole
     start = (blocks * block).flatten()[pair]
-    hi = first + off + pair // n % T - start  # (P,)
-    lo = first - start
-    partial = ((hi < block - 1) | (lo > 0)).nonzero().squeeze(1)  # sorted positions
-    inside = torch.arange(block, device=q.device)
-    hidden = (inside > hi[partial, None]) | (inside < lo[partial, None])  # (len(partial), block)
-    padding = (rows == B * H * T).nonzero().squeeze(1)  # every key hidden
-    partial = torch.cat([pos[partial], padding])
-    hidden = torch.cat([hidden, hidden.new_ones(padding.numel(), block)])
+    lo = torch.full_like(rows, block, dtype=torch.int16)  # a padding row: lo = block > hi = -1, every key hidden
+    hi = torch.full_like(rows, -1, dtype=torch.int16)
+    lo[pos] = (first - start).clamp_(0, block).to(torch.int16)
+    hi[pos] = (first + off + pair // n % T - start).clamp_(-1, block - 1).to(torch.int16)
     out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
-                              rows, tile_group, DISPATCH_TILE, partial, hidden)
+                              rows, tile_group, DISPATCH_TILE, lo, hi, scale)
     return out.view(B, H, T, D)
 
 
@@ -1015,8 +1030,8 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
         H = q.shape[1]
-        q, k, v = _float32(q * scale, expand_kv(k, H), expand_kv(v, H))
-        return block_dispatch(q, k, v, blocks, off, block, k_start)
+        q, k, v = _float32(q, expand_kv(k, H), expand_kv(v, H))
+        return block_dispatch(q, k, v, blocks, off, block, k_start, scale)
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: nsa's compressed keys

@@ -411,6 +411,8 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), ref_grads):
         assert rel(a, b) < 1e-4
+    with torch.no_grad():  # a prefill's form: no probabilities kept
+        assert rel(kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks), ref) < 1e-5
     with torch.no_grad():
         flex = kernels.FLEX.block_attention(q.detach(), k.detach(), v.detach(), 0.3, q_start, k_start, block, blocks)
     assert rel(flex, ref) < 1e-5
@@ -420,7 +422,8 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
 def test_block_attention_over_many_spans_and_tiles_equals_the_reference(monkeypatch, span, tile):
     """The blockwise form's loops over spans of tiles (one tile a span, a few, all in one) and
     its groups cut into tiles (of one pair, a few, larger than every group: padding rows in
-    most tiles): outputs and gradients as the reference's."""
+    most tiles): outputs and gradients as the reference's, and the outputs without a gradient
+    to take (each span's logits computed in both passes, none kept)."""
     monkeypatch.setattr(kernels, "DISPATCH_PAIRS", span)
     monkeypatch.setattr(kernels, "DISPATCH_TILE", tile)
     T, q_start, k_start, block = 50, 20, 4, 8
@@ -434,6 +437,8 @@ def test_block_attention_over_many_spans_and_tiles_equals_the_reference(monkeypa
     assert rel(out, ref) < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
         assert rel(a, b) < 1e-4
+    with torch.no_grad():
+        assert rel(kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, k_start, block, blocks), ref) < 1e-5
 
 
 def test_tile_layout_cuts_each_group_into_padded_tiles_in_order():
