@@ -165,11 +165,14 @@ def expand_kv(k_BHSD, n_head):
     """Grouped-query attention: repeat each key/value head for the query heads that share it,
     as attention.expand_kv does (a copy: the FlexAttention path uses enable_gqa instead, the
     DECODE path stacks a key head's query heads as rows, `_head_rows`). Without GQA the
-    tensor itself: repeat_interleave copies even one repeat, and at T = 32768 nsa's prefill
-    made four such copies a layer (100 MB each at qwen-134m's 12 heads), each touching fresh
-    memory. The loops here only read what it returns."""
+    tensor itself, contiguous: repeat_interleave copies even one repeat (at T = 32768 nsa's
+    prefill made four such copies a layer, 100 MB each at qwen-134m's 12 heads), while a
+    cache that keeps its keys along the positions (`full`'s, asga's) hands over a transposed
+    view, which SDPA's flash kernel on a CPU does not take (it needs D contiguous): given one,
+    SDPA falls back to its math form, a (T, S) array per head (48 GiB at T = 32768). The
+    loops here only read what it returns."""
     G = n_head // k_BHSD.shape[1]
-    return k_BHSD if G == 1 else k_BHSD.repeat_interleave(G, dim=1)
+    return k_BHSD.contiguous() if G == 1 else k_BHSD.repeat_interleave(G, dim=1)
 
 
 def ceil_div(a, b):
@@ -814,9 +817,10 @@ class BlockDispatch(torch.autograd.Function):
     probabilities the backward uses (rowsum(dP * P) = dO . O for the softmax, [Flash]; no
     segmented op). Without one (a prefill), no (M x tile, block) array exists: each pass
     computes a span's logits again into one span-sized buffer. At T = 32768 (nsa, qwen-134m's
-    12 heads) the kept array is 430 MB of memory touched for the first time, and writing it
-    took 1.2-1.3 s of the 1.3-2.3 s this op took; two passes of span-sized products take
-    ~0.35 s.
+    12 heads) the kept array is 430 MB, and this op took 1.2-4.8 s a call (seven calls, in
+    turns with the form below: 3.9 s the median; its products 1.34 s in a first call, which
+    wrote the array's fresh pages) where the two passes of span-sized products take 1.8-2.5 s
+    (2.25 s; both passes' products 0.36 s).
     Why a Function: autograd over the span's gathers and matmuls kept every gathered row and
     key block."""
 

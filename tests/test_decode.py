@@ -803,3 +803,28 @@ def test_a_compiled_helper_called_under_a_dispatch_mode_stays_compiled_after_it(
         assert any("Compiled" in name for name in ran), sorted(ran)
     finally:
         kernels.GatheredDots.COMPILE = old
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_prefill_hands_sdpa_keys_its_flash_kernel_takes(monkeypatch, name):
+    """A prefill through the cache, the second after cached tokens: every SDPA call of the
+    fused path gets q, k, v with D contiguous. SDPA's flash kernel on a CPU needs it and,
+    given a transposed view (a cache that keeps its keys along the positions, `full`'s),
+    falls back silently to its math form, which keeps a (T, S) array per head: the same
+    result at a test's sizes, 48 GiB at T = 32768 with 12 heads. Without GQA, as qwen-134m
+    (GQA's repeat of the key heads copies them into a contiguous tensor anyway)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def checked(q, k, v, *args, **kwargs):
+        calls.append(tuple(x.stride(-1) for x in (q, k, v)))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
+    model = Model(ModelConfig(**dict(SIZES, n_kv_head=SIZES["n_head"]), attn=name, kernel="fused", **VARIANTS[name]))
+    idx = torch.randint(0, 64, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(idx[:, :40], cache=cache)
+        model(idx[:, 40:], cache=cache)
+    assert all(strides == (1, 1, 1) for strides in calls), calls
