@@ -805,14 +805,15 @@ def test_a_compiled_helper_called_under_a_dispatch_mode_stays_compiled_after_it(
         kernels.GatheredDots.COMPILE = old
 
 
+@pytest.mark.parametrize("n_kv_head", [SIZES["n_head"], SIZES["n_head"] // 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_every_prefill_hands_sdpa_keys_its_flash_kernel_takes(monkeypatch, name):
+def test_every_prefill_hands_sdpa_keys_its_flash_kernel_takes(monkeypatch, name, n_kv_head):
     """A prefill through the cache, the second after cached tokens: every SDPA call of the
     fused path gets q, k, v with D contiguous. SDPA's flash kernel on a CPU needs it and,
     given a transposed view (a cache that keeps its keys along the positions, `full`'s),
     falls back silently to its math form, which keeps a (T, S) array per head: the same
-    result at a test's sizes, 48 GiB at T = 32768 with 12 heads. Without GQA, as qwen-134m
-    (GQA's repeat of the key heads copies them into a contiguous tensor anyway)."""
+    result at a test's sizes, 48 GiB at T = 32768 with 12 heads. Without GQA (qwen-134m's
+    heads) and with it."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -821,7 +822,7 @@ def test_every_prefill_hands_sdpa_keys_its_flash_kernel_takes(monkeypatch, name)
         return sdpa(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
-    model = Model(ModelConfig(**dict(SIZES, n_kv_head=SIZES["n_head"]), attn=name, kernel="fused", **VARIANTS[name]))
+    model = Model(ModelConfig(**dict(SIZES, n_kv_head=n_kv_head), attn=name, kernel="fused", **VARIANTS[name]))
     idx = torch.randint(0, 64, (1, 70), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         cache = model.new_cache()
