@@ -1621,6 +1621,20 @@ def moba_select(q, means, q_start, block, topk, select=None):
     return select(torch.where(j < own, scores, fill, out=scores), topk)
 
 
+MOBA_SCORES = 1 << 22  # (B, H, chunk, J) block scores of one chunk of queries in `chunked_moba_select`
+
+
+def chunked_moba_select(q, means, q_start, block, topk):
+    """`moba_select` a chunk of queries at a time (BLOCKWISE): the (B, H, T, J) scores, T x T /
+    block a head, exist one cache-sized chunk at a time (at T = 32768, 12 heads and blocks of
+    64, the whole was 0.8 GB, and its padded copy as much again)."""
+    B, H, T, _ = q.shape
+    J = ceil_div(q_start + T, block)
+    return torch.cat([moba_select(q[:, :, t0:t1], means[:, :, :ceil_div(q_start + t1, block)], q_start + t0, block, topk,
+                                  select=chunked_top_n)
+                      for t0, t1 in query_chunks(T, B * H * max(1, J), MOBA_SCORES, q.device)], 2)
+
+
 BLOCKWISE = Ops(
     name="blockwise (kernels.py, CPU loops, float32)", attention=blockwise_attention,
     pair_gated_attention=blockwise_pair_gated_attention, topk_attention=blockwise_topk_attention,
@@ -1628,7 +1642,7 @@ BLOCKWISE = Ops(
     selected_attention=blockwise_selected_attention, compressed_branch=blockwise_compressed_branch,
     indexer_topk=functools.partial(chunked_indexer_topk, narrow=True), indexer_kl=chunked_indexer_kl,
     mean_pair_gate=chunked_mean_pair_gate, top_n=chunked_top_n,
-    moba_select=functools.partial(moba_select, select=chunked_top_n))
+    moba_select=chunked_moba_select)
 
 
 # ---------------------------------------------------------------------------- FLEX: the core ops

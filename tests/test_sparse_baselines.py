@@ -295,6 +295,22 @@ def test_moba_selection_is_float32_under_autocast():
             assert torch.equal(select(q, means, 0, 16, 4), want), name
 
 
+@pytest.mark.parametrize("budget", [1, 700, 1 << 22], ids=["a query a chunk", "chunks", "one chunk"])
+@pytest.mark.parametrize("q_start", [0, 37])
+def test_moba_selection_in_chunks_of_queries_equals_the_reference(monkeypatch, budget, q_start):
+    """BLOCKWISE's selection a chunk of queries at a time (each chunk's scores against the
+    blocks up to its last query's) lists the blocks attention.moba_select lists, slot for
+    slot: after cached positions too, and with tied scores (small integer q and keys: ties go
+    to the most recent block)."""
+    monkeypatch.setattr(kernels, "MOBA_SCORES", budget)
+    g = torch.Generator().manual_seed(budget + q_start)
+    q = torch.randint(-2, 3, (2, 4, 60, 8), generator=g).float()
+    k = torch.randint(-2, 3, (2, 2, q_start + 60, 8), generator=g).float()
+    means = attention.block_means(k, 8)
+    want = attention.moba_select(q, means, q_start, 8, 3)
+    assert torch.equal(kernels.BLOCKWISE.moba_select(q, means, q_start, 8, 3), want)
+
+
 def test_nsa_selection_is_float32_under_autocast():
     """[NSA]'s p^cmp and block scores (eqs. 8-9) in float32 under bf16 autocast on attention.py's
     form as on the fast forms (BLOCKWISE's loops and FLEX's chunks compute them in float32, as
