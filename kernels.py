@@ -77,6 +77,8 @@ here and the loops write into float32 buffers):
   which it chooses its blocks at once (no (T, J) scores kept); the backward recomputes the
   probabilities. (FLEX: one FlexAttention call for the output, and the block scores
   recomputed a chunk at a time without gradient by `chunked_block_scores`.)
+- moba's selection: `chunked_moba_select`, the block scores and their top-n a chunk of
+  queries at a time (no (T, J) scores kept).
 - selected attention (indexer): `blockwise_selected_attention`. A chunk of queries at a time
   gathers the n keys each lists (shared by the heads of a key head), one softmax; each chunk
   recomputed in the backward. Without a gradient (a prefill) the listed rows are read where
