@@ -795,11 +795,11 @@ class BlockDispatch(torch.autograd.Function):
     """`block_dispatch`'s attention once the (query, slot) pairs are routed: q (BHT, D), its
     rows multiplied by `scale` as a span gathers them (q * scale in whole would be another
     (BHT, D) array, 100 MB at T = 32768 and 12 heads); the key and value blocks kb, vb (G,
-    block, D); rows (M x tile,) the query row of each padded
-    pair (BHT: padding), the pairs sorted by group and each group's cut into tiles of `tile`
-    rows; tile_group (M,) each tile's group (none where no query lists a block); lo, hi (M x
-    tile,) the keys of its block each padded pair sees, lo <= key <= hi (a query's own block,
-    a block that starts before the first key; lo > hi for a padding row).
+    block, D); rows (M x tile,) the query row of each padded pair (BHT: padding), the pairs
+    sorted by group and each group's cut into tiles of `tile` rows; tile_group (M,) each
+    tile's group (none where no query lists a block); lo, hi (M x tile,) the keys of its
+    block each padded pair sees, lo <= key <= hi (a query's own block, a block that starts
+    before the first key; lo > hi for a padding row).
 
     Everything stays in the pairs' sorted order, as [MoBA]'s own code keeps it (its varlen
     attention over each block's queries): a span of tiles at a time, its queries' rows
@@ -898,14 +898,14 @@ def block_dispatch(q, k, v, blocks, off, block, first, scale):
     than dense causal SDPA at T = 2048). Then one softmax per query over its n * block
     logits, and per tile (tile, block) @ (block, D) into the outputs. Time O(T n block D) in
     batched matmuls, a span of tiles each; memory O(T n block) for the probabilities the
-    backward keeps (none without a gradient: one span's), never (T, S). The routing is computed here, the attention over the tiles
-    is `BlockDispatch`."""
+    backward keeps (none without a gradient: one span's), never (T, S). The routing is
+    computed here, the attention over the tiles is `BlockDispatch`."""
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
-    kb, vb = (to_blocks(F.pad(x, (0, 0, before, 0)) if before else x, block) for x in (k, v))  # (B, H, nb, block, D),
-    # block 0 = first // block; F.pad copies even a pad of 0, and the reshapes below copy only where the rows are
-    # not already contiguous blocks
+    # (B, H, nb, block, D), block 0 = first // block: padded only where the keys do not start at
+    # a block (F.pad copies even a pad of 0); the reshapes below copy only rows not already blocks
+    kb, vb = (to_blocks(F.pad(x, (0, 0, before, 0)) if before else x, block) for x in (k, v))
     nb = kb.shape[2]
     rel = blocks - first // block  # (B, H, T, n) block index in kb
     ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
@@ -1631,10 +1631,9 @@ def chunked_moba_select(q, means, q_start, block, topk):
     block a head, exist one cache-sized chunk at a time (at T = 32768, 12 heads and blocks of
     64, the whole was 0.8 GB, and its padded copy as much again)."""
     B, H, T, _ = q.shape
-    J = ceil_div(q_start + T, block)
-    return torch.cat([moba_select(q[:, :, t0:t1], means[:, :, :ceil_div(q_start + t1, block)], q_start + t0, block, topk,
-                                  select=chunked_top_n)
-                      for t0, t1 in query_chunks(T, B * H * max(1, J), MOBA_SCORES, q.device)], 2)
+    chunks = query_chunks(T, B * H * max(1, ceil_div(q_start + T, block)), MOBA_SCORES, q.device)
+    return torch.cat([moba_select(q[:, :, t0:t1], means[:, :, :ceil_div(q_start + t1, block)],  # the blocks it can see
+                                  q_start + t0, block, topk, select=chunked_top_n) for t0, t1 in chunks], 2)
 
 
 BLOCKWISE = Ops(
