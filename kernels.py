@@ -1420,6 +1420,15 @@ TOP_N_NARROWED, TOP_N_NARROWED_CALL = 8, 1 << 17
 TOP_N_OF_FLOATS = 16
 
 
+# torch's top-k on a CPU takes a row's k highest by a partial sort (a heap of k) when the row
+# holds at least 64 k entries, and by nth_element below that: per entry 3-4x slower there on
+# rows of random scores (k = 9, nsa's top 8 and one more: 2.8 us a row of 288, 5.5 us one of
+# 567, 2.1-2.2 us either padded to 576). `_cpu_topk` pads rows of TOPK_PADDED_FROM k entries
+# and more with -inf up to 64 k (below, the padding costs more than it saves: 0.66-0.89x the
+# time at 24 k, 1.1-1.6x at 8-16 k, for k = 4, 9 and 17).
+TOPK_HEAP, TOPK_PADDED_FROM = 64, 24
+
+
 # _top_n(maxima=True) (FLEX's) takes n <= TOP_N_BY_MAXIMA as n running maxima of the key: on an
 # H200, moba's top-3 through torch.topk (a radix select over int64 keys) was 9.4 of 26.8 ms of
 # its core at T = 16384 (benchmarks/gpu_runs/h200_2026-11-28b.md); n reductions, each fused
@@ -1489,7 +1498,7 @@ def _top_n_of_floats(scores, n):
     with a NaN among them, takes the key's top-k. A row's -inf scores are -1, as ever."""
     S = scores.shape[-1]
     s = scores.detach().float().reshape(-1, S)
-    values, cols = s.topk(n + 1, -1)
+    values, cols = _cpu_topk(s, n + 1)
     cut, next_ = values[:, n - 1], values[:, n]
     # equal -inf scores list -1 either way; a NaN ranks by its sign bit in the key, first in torch's top-k
     across = ((cut == next_) & (cut != NEG_INF)) | values.isnan().any(-1)
@@ -1499,6 +1508,17 @@ def _top_n_of_floats(scores, n):
         rows = across.nonzero()[:, 0]
         top[rows] = _top_n(s[rows], n)
     return top.view(*scores.shape[:-1], n)
+
+
+def _cpu_topk(s, k):
+    """s.topk(k, -1) for s (R, S) float32 on a CPU, a row of TOPK_PADDED_FROM k .. 64 k entries
+    padded with -inf to 64 k first (`TOPK_HEAP`): the same k highest values, highest first, and
+    their columns, but where fewer than k are finite the -inf ones may list a padded column
+    (>= S): the callers turn every -inf slot into -1."""
+    S = s.shape[-1]
+    if TOPK_PADDED_FROM * k <= S < TOPK_HEAP * k:
+        s = F.pad(s, (0, TOPK_HEAP * k - S), value=NEG_INF)
+    return s.topk(k, -1)
 
 
 def _top_n_narrowed(scores, n):

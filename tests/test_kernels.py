@@ -19,6 +19,7 @@ checked; q, k, v gradients through it run on CUDA only.
 import copy
 import dataclasses
 import math
+import unittest.mock
 import warnings
 
 import pytest
@@ -749,13 +750,14 @@ TOP_N_KINDS = ["normal", "ties", "tail", "no finite", "signed zeros", "fewer tha
 
 
 @pytest.mark.parametrize("kind", TOP_N_KINDS)
-@pytest.mark.parametrize("shape,n", [((3, 5, 4096), 256), ((2, 7, 300), 8), ((5, 1000), 3)])
+@pytest.mark.parametrize("shape,n", [((3, 5, 4096), 256), ((2, 7, 300), 8), ((5, 1000), 3), ((2, 7, 100), 3)])
 def test_narrowed_top_n_is_attention_top_n(kind, shape, n):
     """kernels._top_n_narrowed (a CPU's top-n of long rows: candidates first, then a top-n of
     them) and _top_n_of_floats (a CPU's top-n of a few: a top-k of the floats, the key's
     where the n-th score ties across the cut) return attention.top_n exactly: the same
     indices in the same order, ties to the higher index, -1 for -inf; and _top_n(narrow=True)
-    takes one of them for a large call of long rows."""
+    takes one of them for a large call of long rows. (Rows of 300 at n = 8 and of 100 at n = 3
+    reach torch's top-k padded with -inf, `kernels._cpu_topk`; 1000 at n = 3 as they are.)"""
     x = _top_n_rows(kind, shape, n, torch.Generator().manual_seed(len(kind)))
     assert torch.equal(kernels._top_n_narrowed(x, n), attention.top_n(x, n))
     assert torch.equal(kernels._top_n_of_floats(x, n), attention.top_n(x, n))
@@ -782,6 +784,27 @@ def test_flex_takes_the_maxima_for_a_few_and_the_top_k_for_more(monkeypatch):
     kernels.FLEX.top_n(x, kernels.TOP_N_BY_MAXIMA + 1)  # nsa's 16: the top-k
     kernels.BLOCKWISE.top_n(x, 3)  # the CPU's: its own chunked top-k
     assert taken == [kernels.TOP_N_BY_MAXIMA]
+
+
+@pytest.mark.parametrize("S,k", [(9, 9), (215, 9), (216, 9), (575, 9), (576, 9), (100, 4), (300, 4)])
+def test_a_cpu_top_k_padded_or_not_lists_what_torchs_lists(S, k):
+    """kernels._cpu_topk pads rows of 24 k .. 64 k scores with -inf before torch's top-k (which
+    sorts such rows by nth_element, 3-4x slower a score than its partial sort from 64 k): the
+    same values, and the same columns wherever the value is finite; the rows it hands torch
+    are 64 k wide exactly where it pads."""
+    g = torch.Generator().manual_seed(S + k)
+    s = torch.randn(6, S, generator=g)
+    s[0, S // 2:] = float("-inf")  # fewer finite scores than k in one row
+    s[1] = float("-inf")
+    widths = []
+    real = torch.Tensor.topk
+    with unittest.mock.patch.object(torch.Tensor, "topk", lambda x, *a, **kw: widths.append(x.shape[-1]) or real(x, *a, **kw)):
+        values, cols = kernels._cpu_topk(s, k)
+    want_values, want_cols = real(s, k, -1)
+    assert widths == [64 * k if 24 * k <= S < 64 * k else S]
+    assert torch.equal(values, want_values)
+    finite = values > float("-inf")
+    assert torch.equal(cols[finite], want_cols[finite]) and (cols[~finite] < max(S, 64 * k)).all()
 
 
 def test_top_n_of_floats_ranks_a_nan_as_the_key_does():
