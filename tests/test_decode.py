@@ -829,3 +829,26 @@ def test_every_prefill_hands_sdpa_keys_its_flash_kernel_takes(monkeypatch, name,
         model(idx[:, :40], cache=cache)
         model(idx[:, 40:], cache=cache)
     assert all(strides == (1, 1, 1) for strides in calls), calls
+
+
+@pytest.mark.parametrize("name", ["full", "nsa"])
+def test_a_long_prefill_runs_the_mlp_in_pieces_with_the_same_logits(name, monkeypatch):
+    """Without a gradient, a forward of more than Block.MLP_ROWS positions runs each block's
+    norm and MLP that many rows at a time (its (T, mlp_hidden) activations never whole): the
+    same logits as one piece, cached or not; with a gradient, one piece."""
+    model = tiny(name)
+    idx = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = model(idx)[0]
+    rows = []
+    model.layers[0].mlp.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    monkeypatch.setattr(model_module.Block, "MLP_ROWS", 32)
+    with torch.no_grad():
+        pieces = model(idx)[0]
+        cached = model(idx, cache=model.new_cache())[0]
+    assert rows == [32, 32, 26] * 2
+    assert (pieces - whole).abs().max() <= 1e-5 * whole.abs().max()
+    assert (cached - whole).abs().max() <= 1e-5 * whole.abs().max()
+    rows.clear()
+    model(idx)[0].sum().backward()
+    assert rows == [90]
