@@ -696,7 +696,7 @@ class HarnessLM(TemplateLM):
             text = ""
             for _ in range(max_new):
                 with self.autocast:
-                    token = int(self.model(inputs, cache=cache)[0][0, -1].argmax())
+                    token = int(self.model(inputs, cache=cache, last_only=True)[0][0, -1].argmax())
                 if token == self.tokenizer.separator:
                     break
                 new.append(token)

@@ -103,7 +103,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
     cache = model.new_cache(idx.shape[1] + max_new_tokens if step else 0) if use_cache else None
     inputs = idx
     for i in range(max_new_tokens):
-        logits, _ = (step if step is not None and use_cache and i else model)(inputs, cache=cache)
+        if step is not None and use_cache and i:
+            logits, _ = step(inputs, cache=cache)
+        else:  # the prompt, or the whole sequence again: the head over its last position only
+            logits, _ = model(inputs, cache=cache, last_only=True)
         if on_step is not None:
             on_step(cache)
         next_token = sample_next(logits[:, -1, :], temperature, top_k, generator)

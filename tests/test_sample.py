@@ -213,3 +213,24 @@ def test_bad_arguments_list_the_valid_ones(capsys):
             sample.main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and all(w in err for w in words), err
+
+
+def test_generation_runs_the_head_over_the_last_position_only():
+    """Model.forward(last_only=True) gives the last row of the whole logits (to rounding: the
+    head's product of one row), the head handed that one position; generate's prompt and its
+    recomputed sequences go through it (so a long prompt's head is one row, not T), its
+    one-token steps have one row anyway; a loss with it is refused."""
+    m = tiny_model(seed=3)
+    idx = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    rows = []
+    m.lm_head.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[1]))
+    with torch.no_grad():
+        whole, last = m(idx)[0], m(idx, last_only=True)[0]
+    assert last.shape == (2, 1, 128)
+    assert (last - whole[:, -1:]).abs().max() <= 1e-5 * whole.abs().max()  # one row's product, the same to rounding
+    rows.clear()
+    for use_cache in (True, False):
+        sample.generate(m, idx, 3, temperature=0, use_cache=use_cache)
+    assert rows == [1] * 6
+    with pytest.raises(ValueError, match="last_only=True gives no loss"):
+        m(idx, targets=idx, last_only=True)
