@@ -87,11 +87,13 @@ def layer_variant(cfg, layer):
 
 class Block(nn.Module):
     # Without a gradient (a prefill, an evaluation), rows past this many go through the norm
-    # and the MLP this many at a time, added into x in place: per row the same maths, but the
-    # MLP's (T, mlp_hidden) activations of a long prompt (at T = 32768 and qwen-134m's widths,
-    # three of 320 MB) are never made whole. On a CPU each such fresh tensor is faulted in page
-    # by page: a one-layer `full` prefill at 32768 took 28.6-31.3 s with them, 27.3-28.2 s in
-    # pieces, its peak memory 1.92 -> 1.42 GB.
+    # and the MLP this many at a time, added into x in place: per row the same maths (to
+    # rounding: a product's blocking may differ with its rows), but the MLP's (T, mlp_hidden)
+    # activations of a long prompt (at T = 32768 and qwen-134m's widths, three of 320 MB) are
+    # never made whole. On a CPU each such fresh tensor is faulted in page by page: a one-layer
+    # `full` prefill at 32768 in a fresh process took 28.6-31.3 s with them, 27.3-28.2 s in
+    # pieces, its peak memory 1.92 -> 1.42 GB (in a process that prefilled before, within the
+    # spread: benchmarks/decode_ab_cpu.md).
     MLP_ROWS = 4096
 
     def __init__(self, cfg, layer=0):
