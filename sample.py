@@ -15,7 +15,8 @@ and `caa` keep every key, `local` and windowed `dsa` a rolling cache of at most 
 between steps, nsa, moba, combiner and the indexer also the summaries their selection reads.
 --kernel=fused (the default, as in training) runs kernels.py: the prompt through the device's
 fast path, each decoding step through kernels.DECODE, which reads of the cache only what the
-selection names; --kernel=ref runs attention.py as written. The path is printed.
+selection names; --kernel=ref runs attention.py as written. The path is printed. The prompt's
+pass computes the logits of its last position only (`Model.forward(last_only=True)`).
 --compile=1 runs the decoding steps through torch.compile (model.compile_decoding: a step's
 few hundred small ops fused into a few kernels; the first steps compile, about a minute a
 graph on a CPU, so it pays on long generations) with a cache of fixed capacity, the prompt
