@@ -1501,11 +1501,12 @@ def _top_n_by_maxima(scores, n):
 
 
 def _top_n_of_floats(scores, n):
-    """_top_n's result from a top-k of the float scores (n + 1 of them, highest first), for
-    n < the row's length: where the n-th score is above the next, the n listed are the row's
-    n highest whatever the order of equal scores, and their keys sorted give the order (ties
-    to the higher index); a row whose n-th score equals the next (a tie across the cut), or
-    with a NaN among them, takes the key's top-k. A row's -inf scores are -1, as ever."""
+    """_top_n's result from a top-k of the float scores (n + 1 of them, highest first; rows
+    padded to torch's faster sort, `_cpu_topk`), for n < the row's length: where the n-th
+    score is above the next, the n listed are the row's n highest whatever the order of equal
+    scores, and their keys sorted give the order (ties to the higher index); a row whose n-th
+    score equals the next (a tie across the cut), or with a NaN among them, takes the key's
+    top-k. A row's -inf scores are -1, as ever."""
     S = scores.shape[-1]
     s = scores.detach().float().reshape(-1, S)
     values, cols = _cpu_topk(s, n + 1)
