@@ -145,9 +145,10 @@ def _(x, weight, bias):
 class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized products on a CPU (at most ROWS rows, float32, no gradient,
     outside autocast) run through the fastest of three forms of the same product, measured
-    at the first call of each size (rows, weight shape) on that call's own inputs, in turns:
-    oneDNN's linear, F.linear (MKL, the few rows as the long side) and W x^T (MKL, the
-    weight's rows as the long side). They are the floor under every variant's step, and which
+    at the first call of each size (rows, weight shape) on that call's own inputs, in turns,
+    each on weights out of the CPU's caches as a step finds them (`_measure`): oneDNN's
+    linear, F.linear (MKL, the few rows as the long side) and W x^T (MKL, the weight's rows
+    as the long side). They are the floor under every variant's step, and which
     is fastest depends on the CPU: on an AMD CPU oneDNN's took 0.86x F.linear's time at batch
     1 and 0.91x at batch 8; on an Intel AVX-512 CPU oneDNN's took 1.17x F.linear's at batch 1,
     and W x^T 0.76x at batch 8 (docs/performance.md). The forms round differently, so which
@@ -161,6 +162,7 @@ class DecodeLinear(nn.Linear):
     FORMS = {"oneDNN": _onednn_linear, "F.linear": F.linear, "W x^T": _weight_major_linear}
     FORM = os.environ.get("DECODE_LINEAR") or None  # a name of FORMS: every decode-sized product through it
     MEASURES = 5  # timings of each form at a size's first call (the best of them compared)
+    COLD_BYTES = 64 << 20  # the weights a timing runs through (`_measure`; more than a CPU's caches)
     chosen = {}  # (rows, out_features, in_features, bias) -> the name of its form
     usable = None  # whether decode-sized products take these forms (False: F.linear; found at the first call)
     path = None
@@ -199,7 +201,14 @@ class DecodeLinear(nn.Linear):
     def _measure(cls, key, x, weight, bias):
         """The name of the fastest form for this size, each timed MEASURES times on these inputs
         in turns (the best of each: the first call of a form pays its one-time setup); a form
-        this torch lacks or that refuses the inputs drops out."""
+        this torch lacks or that refuses the inputs drops out. A timing runs the form through
+        copies of the weight, COLD_BYTES of them (the weight alone where it is that large), each
+        product on a weight out of the CPU's caches, as a decoding step finds its weights:
+        between two reads of one, a step reads every other weight and the cache. Timed on the
+        weight just read, the forms ranked apart from a step's: on an AMD EPYC with AVX-512,
+        F.linear first at 1 x 768 -> 768 in cache (0.044 ms, oneDNN 0.063 ms), where through
+        copies oneDNN took 0.6-0.8x F.linear's time at every size of the step."""
+        weights = [weight] + [weight.clone() for _ in range(cls.COLD_BYTES // (weight.nbytes or 1) - 1)]
         times = {}
         for _ in range(cls.MEASURES):
             for name, form in cls.FORMS.items():
@@ -207,11 +216,12 @@ class DecodeLinear(nn.Linear):
                     continue
                 t0 = time.perf_counter()
                 try:
-                    form(x, weight, bias)
+                    for w in weights:
+                        form(x, w, bias)
                 except (RuntimeError, AttributeError):  # (no oneDNN in this torch, or an input it refuses)
                     times[name] = None
                     continue
-                times.setdefault(name, []).append(time.perf_counter() - t0)
+                times.setdefault(name, []).append((time.perf_counter() - t0) / len(weights))
         best = {name: min(t) for name, t in times.items() if t}
         cls.chosen[key] = name = min(best, key=best.get)
         if name not in {cls.chosen[k] for k in cls.chosen if k != key}:  # each form said once, where it first wins

@@ -545,7 +545,9 @@ def test_decode_sized_products_take_the_form_measured_fastest_once_a_size(capsys
     keys). With no form fixed (DECODE_LINEAR unset), a no-grad float32 call of a few rows on a
     CPU times each form of DecodeLinear.FORMS at its size's first call, runs the fastest and
     says which, and times nothing more at that size; a call with a gradient, or of more rows,
-    is F.linear itself. The forms here are stand-ins: the slow ones sleep and answer wrong."""
+    is F.linear itself. Each timing runs through COLD_BYTES of copies of the weight (each
+    product on a weight out of the caches, as in a decoding step), the weight itself first.
+    The forms here are stand-ins: the slow ones sleep and answer wrong."""
     import time
 
     DecodeLinear = model_module.DecodeLinear
@@ -556,12 +558,13 @@ def test_decode_sized_products_take_the_form_measured_fastest_once_a_size(capsys
     assert model.lm_head.weight is model.embed_tokens.weight
     fresh = Model(ModelConfig(**SIZES, attn="nsa", kernel="fused"))
     assert fresh.load_state_dict(model.state_dict()) is not None
-    calls = []
+    calls, seen = [], []
 
     def form(name, delay, wrong):
         def run(x, weight, bias):
             calls.append(name)
-            time.sleep(delay)
+            seen.append(weight)
+            time.sleep(delay / copies)
             return torch.nn.functional.linear(x, weight, bias) + wrong
         return run
     monkeypatch.setattr(DecodeLinear, "FORMS", {"slow": form("slow", 0.004, 1.0), "fast": form("fast", 0.0, 0.0),
@@ -569,10 +572,15 @@ def test_decode_sized_products_take_the_form_measured_fastest_once_a_size(capsys
     for name, value in (("FORM", None), ("chosen", {}), ("path", None)):
         monkeypatch.setattr(DecodeLinear, name, value)
     layer = model.layers[0].self_attn.branch_gate  # a bias too
+    copies = 3
+    monkeypatch.setattr(DecodeLinear, "COLD_BYTES", copies * layer.weight.nbytes)
     x = torch.randn(3, 1, layer.in_features)
     with torch.no_grad():
         y = layer(x)
-        assert sorted(calls) == sorted(["slow", "slower", "fast"] * DecodeLinear.MEASURES + ["fast"])
+        assert sorted(calls) == sorted(["slow", "slower", "fast"] * copies * DecodeLinear.MEASURES + ["fast"])
+        timing = seen[:copies]  # one form's timing: the weight, then copies of it apart from it
+        assert timing[0] is layer.weight and len({w.data_ptr() for w in timing}) == copies
+        assert all(torch.equal(w, layer.weight) for w in timing)
         assert f"fast for 3 x {layer.in_features} -> {layer.out_features}" in capsys.readouterr().err
         torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
         calls.clear()
@@ -580,7 +588,7 @@ def test_decode_sized_products_take_the_form_measured_fastest_once_a_size(capsys
         assert calls == ["fast"]
         calls.clear()
         layer(x[:2])  # a size of its own
-        assert len(calls) == 3 * DecodeLinear.MEASURES + 1 and calls[-1] == "fast"
+        assert len(calls) == 3 * copies * DecodeLinear.MEASURES + 1 and calls[-1] == "fast"
         calls.clear()
         layer(torch.randn(2, DecodeLinear.ROWS, layer.in_features))  # a prefill's rows: F.linear
     layer(x)  # a gradient: F.linear
