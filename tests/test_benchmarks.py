@@ -573,3 +573,27 @@ def test_decode_graph_static_step_follows_the_models_own_steps():
     assert [name for name, _, _ in rows] == ["full", "local", "moba", "nsa", "indexer"], r.stdout
     for name, diff, argmax in rows:
         assert float(diff) < 1e-5 and argmax == "the same", (name, diff, argmax)
+
+
+def test_decode_linear_times_every_form_in_and_out_of_cache():
+    """benchmarks/decode_linear.py: for each (rows, weight shape) of decode.py's model, a row per
+    form of DecodeLinear.FORMS, fastest out of cache first, each time relative to F.linear's
+    out of cache (F.linear's own 1.00), the bandwidth its out-of-cache time reads the weight at."""
+    from model import DecodeLinear
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_linear.py"), "--batch=2", "--cold_mb=4"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.strip("| ").split(" | ") for line in r.stdout.splitlines() if line.startswith("| 2 x")]
+    sizes = {}
+    for size, form, hot, cold, gbs, ratio in rows:
+        sizes.setdefault(size, []).append((form, float(cold), float(ratio)))
+        assert float(hot) > 0 and float(gbs) > 0
+    assert set(sizes) == {"2 x 768 -> 768", "2 x 768 -> 2432", "2 x 2432 -> 768", "2 x 768 -> 256"}
+    for forms in sizes.values():
+        assert sorted(f for f, _, _ in forms) == sorted(DecodeLinear.FORMS)
+        assert [c for _, c, _ in forms] == sorted(c for _, c, _ in forms)  # fastest first
+        cold = dict((f, c) for f, c, _ in forms)
+        for form, c, ratio in forms:
+            # (the times printed to 0.001 ms, the ratio to 0.01)
+            assert abs(ratio - c / cold["F.linear"]) <= 0.006 + ratio * (0.0006 / c + 0.0006 / cold["F.linear"])
