@@ -1251,11 +1251,31 @@ def _softmax_or_zero(logits, mask):
     allowed). A row with none gives NaN in the softmax, replaced by zeros after it, where the
     definition first set that row's logits to 0 (to keep NaN out of its gradient): four ops
     where it took seven, and a decoding step runs this once per softmax (on a GPU, each op a
-    launch). The same bits for every row with an allowed entry."""
-    if mask is None:
-        return torch.softmax(logits.float(), dim=-1)
-    p = torch.softmax(torch.where(mask, logits.float(), NEG_INF), dim=-1)
-    return torch.where(mask.any(-1, keepdim=True), p, 0.0)
+    launch). The same bits for every row with an allowed entry. Traced for a CPU, the softmax's
+    sum is taken in pieces (`_softmax_in_pieces`)."""
+    logits = logits.float() if mask is None else torch.where(mask, logits.float(), NEG_INF)
+    in_pieces = torch.compiler.is_compiling() and logits.device.type == "cpu" and logits.shape[-1] > 0
+    p = _softmax_in_pieces(logits) if in_pieces else torch.softmax(logits, dim=-1)
+    return p if mask is None else torch.where(mask.any(-1, keepdim=True), p, 0.0)
+
+
+# _softmax_in_pieces: the entries of a row summed SOFTMAX_PIECE at a time, then those sums
+SOFTMAX_PIECE = 64
+
+
+def _softmax_in_pieces(logits):
+    """torch.softmax over the last dim, its sum taken over pieces of SOFTMAX_PIECE entries, then
+    over the pieces (the row padded with zeros to a whole piece). For a compiled decoding
+    step on a CPU, whose rows grow with the cache: inductor's CPU code sums more than 4096
+    float32 entries through a cascade helper and guards on the length to choose it, so a row crossing 4096
+    compiled the step anew (nsa's 4096th compressed key, at position 32783: 51.0 s and 31.5 s
+    in two steps for one layer of qwen-134m's widths, none in pieces). Summed in pieces, the
+    row's length reaches that guard at 64 x 4096 entries. Equal to torch.softmax to float32
+    rounding, not to the bit."""
+    m = logits.amax(-1, keepdim=True)
+    e = (logits - m).exp()
+    pieces = F.pad(e, (0, -e.shape[-1] % SOFTMAX_PIECE)).unflatten(-1, (-1, SOFTMAX_PIECE))
+    return e / pieces.sum(-1).sum(-1, keepdim=True)
 
 
 def _seen(C, last, length, stride):

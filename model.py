@@ -593,11 +593,13 @@ def compile_decoding(model, **compile_kwargs):
     cache's `complete > done`); a buffer growing, unless the cache holds the whole generation
     (`new_cache(capacity)`, as sample.generate makes it); and, while the cache is short,
     sizes of 0 or 1 (no summary yet, one) and a selection wider than the cache (fewer blocks
-    than its top-n); inductor's own size thresholds, once each as the cache crosses them (on a
-    CPU its C++ code sums more than 4096 float32 elements through a cascade helper,
-    `need_use_acc_helper`, a guard on the length: nsa's 4096th compressed key, at position
-    32783, compiles one more graph, minutes at qwen-134m's widths). With the capacity and a prompt past those, at most 2 graphs a
-    batch size (tests/test_decode.py counts them). caa runs eager: how
+    than its top-n). A softmax over the cache's length sums its row in pieces on a CPU
+    (`kernels._softmax_in_pieces`): inductor's C++ code sums more than 4096 float32 elements
+    through a cascade helper, a guard on the length, and nsa's 4096th compressed key, at
+    position 32783, compiled both graphs again (51.0 s and 31.5 s in two steps for one layer
+    of qwen-134m's widths). With the
+    capacity and a prompt past those, at most 2 graphs a batch size (tests/test_decode.py
+    counts them). caa runs eager: how
     many keys it keeps is read from the data (ties with its k-th score), a size each step
     would compile anew. Past DECODING_RECOMPILE_LIMIT graphs a step fails, saying so,
     where dynamo would silently run it uncompiled. Under autocast (bf16 on a GPU) the step

@@ -906,3 +906,33 @@ def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
             with Bmms() as seen:  # off a CPU (a GPU's cache lies as rows): whole, whatever the strides
                 kernels.keys_times(rows.to("meta"), kT.to("meta"))
             assert seen.depths == [D]
+
+
+def test_a_compiled_cpu_softmax_sums_in_pieces_and_keeps_one_graph_past_4096():
+    """kernels._softmax_or_zero traced for a CPU with symbolic sizes, as a compiled decoding
+    step traces it: its sum over a row is taken in pieces (`_softmax_in_pieces`), so rows
+    crossing 4096 entries (where inductor's CPU sum switches to its cascade helper, a guard on
+    the length) reuse the first graph; the probabilities equal the eager softmax's to float32
+    rounding, and a row with no allowed entry is zeros."""
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda x, mask: kernels._softmax_or_zero(x, mask), dynamic=True, backend=counting)
+        for C in (3000, 4100, 5003):
+            torch.manual_seed(C)
+            x = torch.randn(2, 3, 1, C) * 4
+            mask = torch.rand(2, 3, 1, C) > 0.2
+            mask[1, 2] = False  # a row with no allowed entry
+            got, want = compiled(x, mask), kernels._softmax_or_zero(x, mask)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+            assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
+        assert len(graphs) == 1, len(graphs)
+    finally:
+        torch._dynamo.reset()
