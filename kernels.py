@@ -1267,11 +1267,11 @@ def _softmax_in_pieces(logits):
     """torch.softmax over the last dim, its sum taken over pieces of SOFTMAX_PIECE entries, then
     over the pieces (the row padded with zeros to a whole piece). For a compiled decoding
     step on a CPU, whose rows grow with the cache: inductor's CPU code sums more than 4096
-    float32 entries through a cascade helper and guards on the length to choose it, so a row crossing 4096
-    compiled the step anew (nsa's 4096th compressed key, at position 32783: 51.0 s and 31.5 s
-    in two steps for one layer of qwen-134m's widths, none in pieces). Summed in pieces, the
-    row's length reaches that guard at 64 x 4096 entries. Equal to torch.softmax to float32
-    rounding, not to the bit."""
+    float32 entries through a cascade helper and guards on the length to choose it, so a
+    row crossing 4096 compiled the step anew (nsa's 4096th compressed key, at position
+    32783: 51.0 s and 31.5 s in two steps for one layer of qwen-134m's widths, none in
+    pieces). Summed in pieces, the row's length reaches that guard at 64 x 4096 entries.
+    Equal to torch.softmax to float32 rounding, not to the bit."""
     m = logits.amax(-1, keepdim=True)
     e = (logits - m).exp()
     pieces = F.pad(e, (0, -e.shape[-1] % SOFTMAX_PIECE)).unflatten(-1, (-1, SOFTMAX_PIECE))

@@ -207,8 +207,9 @@ class DecodeLinear(nn.Linear):
         between two reads of one, a step reads every other weight and the cache. Timed on the
         weight just read, the forms ranked apart from a step's: on an AMD EPYC with AVX-512,
         F.linear first at 1 x 768 -> 768 in cache (0.044 ms, oneDNN 0.063 ms), where through
-        copies oneDNN took 0.6-0.8x F.linear's time at every size of the step."""
-        weights = [weight] + [weight.clone() for _ in range(cls.COLD_BYTES // (weight.nbytes or 1) - 1)]
+        copies oneDNN took 0.58-0.89x F.linear's time at every size of the step
+        (benchmarks/decode_linear.py)."""
+        weights = cls.cold_copies(weight)
         times = {}
         for _ in range(cls.MEASURES):
             for name, form in cls.FORMS.items():
@@ -256,6 +257,13 @@ class DecodeLinear(nn.Linear):
             else:
                 m.cast.copy_(w)  # in place: the same tensor, the graph's input, the new values
         held["key"] = key
+
+    @classmethod
+    def cold_copies(cls, weight, nbytes=None):
+        """[weight, copies of it]: nbytes of them (COLD_BYTES by default), the weight alone where
+        it is that large. Run through in turn, each product reads its weight from memory."""
+        nbytes = cls.COLD_BYTES if nbytes is None else nbytes
+        return [weight] + [weight.clone() for _ in range(nbytes // (weight.nbytes or 1) - 1)]
 
     @classmethod
     def _usable(cls):
@@ -597,10 +605,8 @@ def compile_decoding(model, **compile_kwargs):
     (`kernels._softmax_in_pieces`): inductor's C++ code sums more than 4096 float32 elements
     through a cascade helper, a guard on the length, and nsa's 4096th compressed key, at
     position 32783, compiled both graphs again (51.0 s and 31.5 s in two steps for one layer
-    of qwen-134m's widths). With the
-    capacity and a prompt past those, at most 2 graphs a batch size (tests/test_decode.py
-    counts them). caa runs eager: how
-    many keys it keeps is read from the data (ties with its k-th score), a size each step
+    of qwen-134m's widths). With the capacity and a prompt past those, at most 2 graphs a
+    batch size (tests/test_decode.py counts them). caa runs eager: how many keys it keeps is read from the data (ties with its k-th score), a size each step
     would compile anew. Past DECODING_RECOMPILE_LIMIT graphs a step fails, saying so,
     where dynamo would silently run it uncompiled. Under autocast (bf16 on a GPU) the step
     reads each weight as cast once in that dtype (`DecodeLinear.hold_casts`), not a cast of

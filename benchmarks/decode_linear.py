@@ -49,7 +49,7 @@ def main():
         for rows in (int(b) for b in args.batch.split(",")):
             for out, inp in shapes:
                 weight = torch.randn(out, inp) * 0.02
-                copies = [weight] + [weight.clone() for _ in range((args.cold_mb << 20) // weight.nbytes - 1)]
+                copies = DecodeLinear.cold_copies(weight, args.cold_mb << 20)
                 x = torch.randn(rows, 1, inp)
                 times = {}
                 for name, form in DecodeLinear.FORMS.items():
