@@ -408,9 +408,10 @@ class BandAttention(torch.autograd.Function):
 
 
 def _softmax_into(s, out):
-    """softmax over the last dim into a reused buffer. The private out= variant: the public
-    torch.softmax allocates, and a fresh (chunk, Bq, L) allocation per chunk cost as much
-    as the matmuls here (measured)."""
+    """softmax over the last dim into a reused buffer (out may be s itself: each row is read
+    before it is written). The private out= variant: the public torch.softmax allocates,
+    and a fresh (chunk, Bq, L) allocation per chunk cost as much as the matmuls here
+    (measured)."""
     return torch.ops.aten._softmax.out(s, -1, False, out=out)
 
 
@@ -1050,21 +1051,24 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
 
 # ---------------------------------------------------------------------------- BLOCKWISE: nsa's compressed keys
 
-def _compressed_probs(q, k, scale, q_start, length, stride, group):
+def _compressed_probs(q, k, scale, q_start, length, stride, group, work=None):
     """(N, G T, C) float32 probabilities of attention.compressed_probs for q (N, G T, D),
     the G = group query heads of a key head stacked along the rows, k (N, C, D): one matmul,
     the invisible keys set to -inf in place (only the columns from the first query's first
-    invisible key: the rest every query sees), one softmax, the rows that see no key set to 0
-    (the first length - 1 positions: all -inf gives NaN)."""
+    invisible key: the rest every query sees), one softmax in place, the rows that see no
+    key set to 0 (the first length - 1 positions: all -inf gives NaN). work: a float32
+    buffer of at least N G T C elements the logits and probabilities are written into (the
+    caller's, reused chunk after chunk: `blockwise_compressed_branch`), else a new one."""
     N, rows, C = q.shape[0], q.shape[1], k.shape[1]
     T = rows // group
-    logits = torch.bmm(q * scale, k.transpose(1, 2))  # (N, G T, C)
+    logits = q.new_empty(N, rows, C) if work is None else work[:N * rows * C].view(N, rows, C)
+    torch.bmm(q * scale, k.transpose(1, 2), out=logits)  # (N, G T, C)
     first = _seen(C, q_start, length, stride)  # the keys the chunk's first query sees
     q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
     hidden = torch.arange(first, C, device=q.device) * stride + length - 1 > q_pos  # (T, C - first): not yet complete
     logits = logits.view(N, group, T, C)
     logits[..., first:].masked_fill_(hidden, NEG_INF)
-    p = torch.softmax(logits, dim=-1)
+    p = _softmax_into(logits, logits)
     empty = min(T, max(0, length - 1 - q_start))  # queries before the first complete compressed key
     if empty:
         p[:, :, :empty] = 0.0
@@ -1082,8 +1086,8 @@ class CompressedAttention(torch.autograd.Function):
     chunk per direction; here the masking is one in-place pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, q_start, length, stride, group, block, J):
-        p = _compressed_probs(q, k, scale, q_start, length, stride, group)
+    def forward(ctx, q, k, v, scale, q_start, length, stride, group, block, J, work):
+        p = _compressed_probs(q, k, scale, q_start, length, stride, group, work)
         out = torch.bmm(p, v)
         scores = sliding_block_scores(p, J, length, stride, block) if J else out.new_zeros(0)
         ctx.mark_non_differentiable(scores)
@@ -1099,7 +1103,7 @@ class CompressedAttention(torch.autograd.Function):
         dv = torch.bmm(p.transpose(1, 2), d_out)
         dp = torch.bmm(d_out, v.transpose(1, 2))  # (N, T, C)
         dlogits = dp.sub_((d_out * out).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax's backward, scaled
-        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, *[None] * 7
+        return torch.bmm(dlogits, k), torch.bmm(dlogits.transpose(1, 2), q), dv, *[None] * 8
 
 
 def _grouped(q, k_cmp):
@@ -1112,7 +1116,7 @@ def _grouped(q, k_cmp):
     return q.reshape(B * Hkv, H // Hkv * T, D), k_cmp.flatten(0, 1), H // Hkv
 
 
-def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride, block, J):
+def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride, block, J, work=None):
     """One chunk of queries of attention.compressed_branch through `CompressedAttention`
     (float32; scale a float): the output (B, H, T, D) and the block scores (B, H, T, J) (J = 0:
     none). No checkpoint needed, the function keeps O(T D)."""
@@ -1121,7 +1125,7 @@ def _blockwise_compressed_chunk(q, k_cmp, v_cmp, scale, q_start, length, stride,
         q, k, v = _float32(q, k_cmp, v_cmp)
         q_rows, k_rows, group = _grouped(q, k)
         out, scores = CompressedAttention.apply(q_rows, k_rows, v.flatten(0, 1), float(scale), q_start, length, stride,
-                                                group, block, J)
+                                                group, block, J, work)
         return out.view(B, H, T, -1), scores.view(B, H, T, J) if J else None
 
 
@@ -1292,15 +1296,22 @@ def blockwise_compressed_branch(q, k_cmp, v_cmp, scale, q_start, length, stride,
     scores (eq. 9, over the blocks up to its last query), from which `choose` picks its
     blocks at once: no (T, J) scores are kept, and eq. 8 runs once where the output and the
     selection each ran it. `CompressedAttention` recomputes the probabilities in the backward.
+    Every chunk's logits, then its probabilities (the softmax in place), go into one buffer
+    made for the call: a new (B H, chunk, C) tensor per chunk (16 MB) came back from the
+    allocator as fresh pages, faulted in on first touch, 785k page faults and ~1.5 s of a
+    one-layer nsa prefill at T = 32768 (qwen-134m widths) where the branch took ~4.6 s.
     (FLEX: `flex_compressed_branch`.)"""
     B, H, T, _ = q.shape
     C = k_cmp.shape[2]
     outs, blocks = [], []
-    for t0, t1 in query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device):
+    chunks = query_chunks(T, B * H * max(1, C), COMPRESSED_SCORES, q.device)
+    rows = B * H * max((t1 - t0 for t0, t1 in chunks), default=0)
+    work = torch.empty(rows * C, device=q.device)  # every chunk's logits, then its probabilities
+    for t0, t1 in chunks:
         seen = _seen(C, q_start + t1 - 1, length, stride)
         J = ceil_div(q_start + t1, block) if choose is not None else 0
         out, scores = _blockwise_compressed_chunk(q[:, :, t0:t1], k_cmp[:, :, :seen], v_cmp[:, :, :seen], scale,
-                                                  q_start + t0, length, stride, block, J)
+                                                  q_start + t0, length, stride, block, J, work)
         outs.append(out)
         if choose is not None:
             blocks.append(choose(scores, q_start + t0))

@@ -184,7 +184,7 @@ def test_compressed_branch_in_chunks_equals_the_reference(monkeypatch, ops, q_st
     gradients of q and the compressed keys and values equal attention.compressed_branch's
     over all queries at once; so do the blocks chosen, and the block scores handed to
     `choose` chunk by chunk (BLOCKWISE: 5 queries a chunk, each with the blocks up to its
-    last query), which carry no gradient."""
+    last query), which carry no gradient (copied here: `choose` may overwrite them, nsa's does)."""
     monkeypatch.setattr(kernels, "COMPRESSED_SCORES", 2 * 4 * 12 * 5)  # 5 queries a chunk
     g = torch.Generator().manual_seed(6)
     T, C, length, stride, block = 23, 12, 4, 2, 8
@@ -195,7 +195,7 @@ def test_compressed_branch_in_chunks_equals_the_reference(monkeypatch, ops, q_st
     handed = []
 
     def choose(scores, t0):  # eqs. 10-12 as nsa applies them; the scores kept to compare
-        handed.append((t0, scores))
+        handed.append((t0, scores.clone()))
         return attention.nsa_top_blocks(scores, t0, block, 3, 2)
 
     ref, ref_blocks = attention.compressed_branch(q, k, v, 0.3, q_start, length, stride, block, choose)
@@ -217,6 +217,45 @@ def test_compressed_branch_in_chunks_equals_the_reference(monkeypatch, ops, q_st
         rows = slice(t0 - q_start, t0 - q_start + scores.shape[2])
         assert scores.shape[3] == -(-(t0 + scores.shape[2]) // block) and not scores.requires_grad
         assert rel(scores, ref_scores[:, :, rows, :scores.shape[3]]) < 1e-5
+
+
+def test_compressed_branch_chunks_write_one_buffer(monkeypatch):
+    """BLOCKWISE's compressed branch writes each chunk's logits, then its probabilities, into
+    one buffer made once for all its chunks: no op makes a new tensor of a chunk's (heads,
+    chunk, C) logits, whatever the number of chunks (a fresh one per chunk was faulted in
+    from the OS each time: 785k page faults, ~1.5 s of a one-layer nsa prefill at T = 32768)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fresh(TorchDispatchMode):  # the ops whose output of at least `size` elements is no input's storage
+        def __init__(self, size):
+            super().__init__()
+            self.size, self.made = size, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() >= self.size and t.untyped_storage().data_ptr() not in given:
+                    self.made.append(func.overloadpacket.__name__)
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D, length, stride, block = 1, 2, 64, 4, 4, 2, 8
+    C = (T - length) // stride + 1  # 31: a chunk's logits (H x 16 x 31) outnumber the output's H x T x D
+    q_start = T  # queries after the keys (as in a second prefill): every chunk sees all C
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = (torch.randn(B, H, C, D, generator=g) for _ in range(2))
+
+    def choose(scores, t0):
+        return attention.nsa_top_blocks(scores, t0, block, 3, H)
+
+    monkeypatch.setattr(kernels, "COMPRESSED_SCORES", B * H * C * 16)  # 4 chunks of 16 queries
+    with torch.no_grad(), Fresh(B * H * 16 * C) as fresh:
+        out, blocks = kernels.BLOCKWISE.compressed_branch(q, k, v, 0.5, q_start, length, stride, block, choose)
+    assert fresh.made == ["empty"], fresh.made  # the logits' buffer, once
+    ref, ref_blocks = attention.compressed_branch(q, k, v, 0.5, q_start, length, stride, block, choose)
+    assert rel(out, ref) < 1e-5 and torch.equal(blocks, ref_blocks)
 
 
 # ---------------------------------------------------------------------------- reductions, causality
