@@ -27,7 +27,8 @@ What is printed, per variant and T:
   spread (min - max over the steps) and that over `full`'s median, at batch 1 and at
   --batch. `full`'s steps for that ratio are taken in turns with the row's own (--rounds
   rounds, `full` held prefilled beside each row): the machine's speed drifts by 30% between
-  rows here, and the ratio is what the table is for.
+  rows here, and the ratio is what the table is for. Each turn's first step is untimed
+  (`turns`): it pays for the other model's reads, as no step of a decoding loop does.
 - the settings line (and the JSON's settings): the machine (`host`: CPU model, cores,
   last-level cache, torch's CPU kernels; or the GPU), since the goals' floors move with it.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
@@ -226,13 +227,21 @@ def warm_steps(model):
 def turns(step, cache, beside, batch, args):
     """(this model's step seconds, `beside`'s) at this batch: --steps steps each, taken in turns
     over --rounds rounds when `beside` (full's step and cache at this batch) is given, so that
-    a drift of the machine's speed between rows (30% here) falls on both alike."""
+    a drift of the machine's speed between rows (30% here) falls on both alike. Each turn
+    starts with one untimed step: the first step after the other model's runs on data its
+    reads evicted from the CPU's caches, which no decoding loop's steps, one after another,
+    are (one process, 2 layers at T = 8192, batch 1, the indexer's turns of 4 steps beside
+    full's: 6.72 ms for a turn's first step, 5.71, 5.68, 5.51 for the next; nsa's 6.40 then
+    5.80-5.60; full's own 7.98 then 7.98-7.79, local's 3.38 then 3.30-3.37)."""
     rounds = max(1, min(args.rounds, args.steps)) if beside else 1
     mine, theirs = [], []
     for i in range(rounds):
         n = args.steps // rounds + (i < args.steps % rounds)
+        if beside:
+            decode_steps(step, cache, batch, 1, args.device)
         mine += decode_steps(step, cache, batch, n, args.device)
         if beside:
+            decode_steps(*beside, batch, 1, args.device)
             theirs += decode_steps(*beside, batch, n, args.device)
     return mine, theirs
 
@@ -256,7 +265,7 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     # variants had run before it)
     warm = warm_steps(model) if args.compile else 1
     # compiled: buffers that hold every step without growing (a growth is a graph of its own)
-    capacity = T + 2 * (warm + args.steps) + 2 if args.compile else 0
+    capacity = T + 2 * (warm + args.steps + args.rounds) + 2 if args.compile else 0  # + each turn's untimed step
     with torch.no_grad(), autocast:
         if args.device == "cuda":  # compiles (one per shape) outside the timing
             model(idx, cache=model.new_cache())

@@ -4,6 +4,7 @@
 Run as its own process, as a user runs it: the benchmark forks a child per configuration
 before it runs any torch op, and a child forked from this test process (whose OpenMP
 threads earlier tests started) deadlocked in the full suite."""
+import argparse
 import json
 import os
 import re
@@ -437,6 +438,27 @@ def test_decode_benchmark_times_its_eager_steps_after_an_untimed_one(tmp_path, m
     row, = json.loads(out.read_text())["rows"]
     assert calls == [(1, 1), (1, 3), (2, 1), (2, 3)], calls
     assert len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 3
+
+
+def test_decode_benchmark_turns_start_with_an_untimed_step(monkeypatch):
+    """Steps taken in turns with full's: each side's turn starts with one untimed step (the
+    first step after the other model's runs on data its reads evicted from the caches, which
+    no decoding loop's step does); only the steps after it are kept, --steps of each side."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode
+    calls = []
+
+    def decode_steps(step, cache, batch, steps, device, start_token=0):
+        calls.append((step, steps))
+        return [float(len(calls))] * steps
+
+    monkeypatch.setattr(decode, "decode_steps", decode_steps)
+    args = argparse.Namespace(steps=5, rounds=2, device="cpu")
+    mine, theirs = decode.turns("row", None, ("full", None), 1, args)
+    assert calls == [("row", 1), ("row", 3), ("full", 1), ("full", 3), ("row", 1), ("row", 2), ("full", 1), ("full", 2)]
+    assert mine == [2.0] * 3 + [6.0] * 2 and theirs == [4.0] * 3 + [8.0] * 2
+    calls.clear()  # no full beside (full's own row): its steps one after another, none untimed
+    assert decode.turns("full", None, None, 1, args) == ([1.0] * 5, []) and calls == [("full", 5)]
 
 
 def test_decode_ab_compiles_each_checkouts_steps(tmp_path):
