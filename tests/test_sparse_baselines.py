@@ -223,7 +223,8 @@ def test_compressed_branch_chunks_write_one_buffer(monkeypatch):
     """BLOCKWISE's compressed branch writes each chunk's logits, then its probabilities, into
     one buffer made once for all its chunks: no op makes a new tensor of a chunk's (heads,
     chunk, C) logits, whatever the number of chunks (a fresh one per chunk was faulted in
-    from the OS each time: 785k page faults, ~1.5 s of a one-layer nsa prefill at T = 32768)."""
+    from the OS each time: in a one-layer nsa prefill at T = 32768 the branch took 6.2 s with
+    785k page faults, 4.6 s with one buffer)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Fresh(TorchDispatchMode):  # the ops whose output of at least `size` elements is no input's storage
