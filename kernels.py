@@ -2439,27 +2439,32 @@ def _bmm(a, b):
 
 # keys_times: a CPU product of 2 to KEY_ROWS query rows with keys stored along the positions
 # reads at most KEY_STREAMS of the D rows of K^T at once
-KEY_STREAMS, KEY_ROWS = 32, 16
+KEY_STREAMS, KEY_ROWS = 16, 16
 
 
 def keys_times(rows, kT):
     """rows @ kT (N, R, S): query rows (N, R, D) times cached keys kT (N, D, S). Where the keys
     lie along the positions (a CPU cache's `keys_last`, kT.stride(-1) == 1), 2 to KEY_ROWS
-    float32 rows on a CPU take the product over D in pieces of KEY_STREAMS rows of kT, summed:
-    BLAS's product with a few rows reads every row of kT at once, a stream each, more than an
-    Intel CPU's prefetcher follows (benchmarks/keys_product.py, AVX-512 host, one thread, cold
-    caches: 4 rows x 64 x 32768 keys 2.9 ms whole, 1.8 in two pieces, a sum over the keys 1.3;
-    the pieces / the whole, 12 key heads x 16384 keys: 0.52-0.56 at 2-4 rows, 0.70-0.71 at
-    8-16, 0.71-0.90 at 24, 1.35 at 32, 3.38 at 64). One row is BLAS's matrix-vector product,
-    which streams at a sum's speed: whole.
-    Autocast's lower-precision products stay whole (each piece would round to its dtype)."""
+    float32 rows on a CPU take the product over D in pieces of KEY_STREAMS rows of kT, each
+    piece after the first added to the result in place (baddbmm_): BLAS's product with a few
+    rows reads every row of kT at once, a stream each, more than a CPU's prefetcher follows,
+    and a piece's own product plus a sum would make two more passes over the (N, R, S)
+    result. benchmarks/keys_product_cpu.md (one thread, caches flushed), on an AMD EPYC with
+    AVX-512: the indexer's 4 rows x 64 x 32768 keys 0.67 ms so, 0.87 in pieces of 32 summed,
+    0.95 whole, 0.21 for a plain sum over the keys; 12 key heads x 8 rows x 16384 keys 4.63,
+    10.80, 6.78 and 1.67 ms; on an Intel AVX-512 host (pieces of 32 summed) 0.52-0.71x the
+    whole product's time at 2-16 rows. One row is BLAS's matrix-vector product, which streams
+    at a sum's speed: whole. Traced into a compiled step, the pieces are summed (each product
+    `cache_bmm`, opaque to inductor). Autocast's lower-precision products stay whole (each
+    piece would round to its dtype)."""
     D, R = kT.shape[1], rows.shape[1]
     if (rows.device.type != "cpu" or not 2 <= R <= KEY_ROWS or D <= KEY_STREAMS or kT.stride(-1) != 1
             or rows.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
         return _bmm(rows, kT)
     out = _bmm(rows[..., :KEY_STREAMS], kT[:, :KEY_STREAMS])
     for d0 in range(KEY_STREAMS, D, KEY_STREAMS):
-        out = out + _bmm(rows[..., d0:d0 + KEY_STREAMS], kT[:, d0:d0 + KEY_STREAMS])
+        piece = rows[..., d0:d0 + KEY_STREAMS], kT[:, d0:d0 + KEY_STREAMS]
+        out = out + _bmm(*piece) if torch.compiler.is_compiling() else out.baddbmm_(*piece)
     return out
 
 

@@ -3,7 +3,7 @@
 caches flushed before each call (a read of 128 MB, as a step's weights stream through them):
 
     whole   torch.bmm(rows, K^T)
-    pieces  the product over D in pieces of kernels.KEY_STREAMS rows of K^T, summed
+    pieces  the product over D in pieces of kernels.KEY_STREAMS rows of K^T, added in place
     keys_times  what kernels.keys_times runs (pieces for 2 to KEY_ROWS rows on a CPU, else whole)
     by_row  each row on its own, R matrix-vector products (kT read R times; from cache after the
             first where it fits)
@@ -33,11 +33,12 @@ QUICK = [(1, 4, 64, 2048), (2, 24, 64, 2048)]
 
 
 def pieces(rows, kT):
-    """The product over D in pieces of KEY_STREAMS rows of kT, summed, whatever the row count."""
+    """The product over D in pieces of KEY_STREAMS rows of kT, each added in place, whatever
+    the row count."""
     step = kernels.KEY_STREAMS
     out = torch.bmm(rows[..., :step], kT[:, :step])
     for d0 in range(step, kT.shape[1], step):
-        out = out + torch.bmm(rows[..., d0:d0 + step], kT[:, d0:d0 + step])
+        out.baddbmm_(rows[..., d0:d0 + step], kT[:, d0:d0 + step])
     return out
 
 

@@ -887,6 +887,8 @@ def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.bmm.default:
                 self.depths.append(args[1].shape[1])  # the rows of K^T it reads
+            elif func is torch.ops.aten.baddbmm_.default:  # a piece added in place
+                self.depths.append(args[2].shape[1])
             return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
