@@ -27,6 +27,7 @@ import torch.fx.experimental._config  # noqa: F401 - compile_decoding patches it
 import torch.nn.functional as F
 
 from attention import VARIANTS, AttentionConfig, RMSNorm, RopeTable
+from kernels import compiled_helper_usable
 
 
 @dataclass
@@ -128,6 +129,36 @@ def _weight_major_linear(x, weight, bias):
     return y.t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def _multiply_sum(rows, weight):
+    """rows W^T as a product and a sum over the inputs, for inductor to compile."""
+    return (rows[:, None, :] * weight).sum(-1)
+
+
+def _inductor_linear(x, weight, bias):
+    """x W^T + b as a multiply and a sum over the inputs, compiled by inductor (C++ on a CPU)
+    into one loop that reads each weight row once, the row of x from cache. MKL's and oneDNN's
+    one-row products read a weight out of cache at 16-26 GB/s on an AMD EPYC with AVX-512, a
+    plain sum over it at 27-35; this loop at 27-31 (benchmarks/decode_linear.py). With more
+    rows it reads the weight once a row: slower than the others from 2 rows on. Refused
+    (RuntimeError) where inductor cannot compile (no C++ compiler). Under a Python dispatch
+    mode (an op counter, a profiler's) F.linear, the same product: a compiled call there runs
+    its later calls uncompiled too (kernels.compiled_helper_usable)."""
+    if not compiled_helper_usable():
+        return F.linear(x, weight, bias)
+    fn = DecodeLinear.multiply_sum()
+    rows, weight_ = x.reshape(-1, x.shape[-1]), weight.view(weight.shape)  # (marked below: views, not the parameter)
+    # one graph for each width of the inputs (its loop unrolled), any count of outputs; 1 row its own
+    torch._dynamo.maybe_mark_dynamic(rows, 0)
+    torch._dynamo.maybe_mark_dynamic(weight_, 0)
+    try:
+        y = fn(rows, weight_)
+    except Exception as e:  # a new shape that fails to compile: this form is refused from now on
+        DecodeLinear.multiply_sum_failed(e)
+        raise RuntimeError(f"the compiled multiply and sum failed: {DecodeLinear.compile_failure}") from e
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
 @torch.library.custom_op("sparse_attention::decode_linear", mutates_args=())
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`DecodeLinear.product` (the form measured fastest for this size), opaque to inductor:
@@ -144,11 +175,12 @@ def _(x, weight, bias):
 
 class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized products on a CPU (at most ROWS rows, float32, no gradient,
-    outside autocast) run through the fastest of three forms of the same product, measured
+    outside autocast) run through the fastest of four forms of the same product, measured
     at the first call of each size (rows, weight shape) on that call's own inputs, in turns,
     each on weights out of the CPU's caches as a step finds them (`_measure`): oneDNN's
-    linear, F.linear (MKL, the few rows as the long side) and W x^T (MKL, the weight's rows
-    as the long side). They are the floor under every variant's step, and which
+    linear, F.linear (MKL, the few rows as the long side), W x^T (MKL, the weight's rows
+    as the long side) and inductor's compiled multiply and sum (`_inductor_linear`, one row's
+    fastest on an AMD EPYC). They are the floor under every variant's step, and which
     is fastest depends on the CPU: on an AMD CPU oneDNN's took 0.86x F.linear's time at batch
     1 and 0.91x at batch 8; on an Intel AVX-512 CPU oneDNN's took 1.17x F.linear's at batch 1,
     and W x^T 0.76x at batch 8 (docs/performance.md). The forms round differently, so which
@@ -159,7 +191,8 @@ class DecodeLinear(nn.Linear):
     place (the same parameters, ties and state_dict keys), so attention.py reads as
     nn.Linear."""
     ROWS = 64
-    FORMS = {"oneDNN": _onednn_linear, "F.linear": F.linear, "W x^T": _weight_major_linear}
+    FORMS = {"oneDNN": _onednn_linear, "F.linear": F.linear, "W x^T": _weight_major_linear,
+             "inductor": _inductor_linear}
     FORM = os.environ.get("DECODE_LINEAR") or None  # a name of FORMS: every decode-sized product through it
     MEASURES = 5  # timings of each form at a size's first call (the best of them compared)
     COLD_BYTES = 64 << 20  # the weights a timing runs through (`_measure`; more than a CPU's caches)
@@ -167,6 +200,8 @@ class DecodeLinear(nn.Linear):
     usable = None  # whether decode-sized products take these forms (False: F.linear; found at the first call)
     path = None
     cast = None  # the weight in a compiled decoding step's autocast dtype (`hold_casts`)
+    _compiled_product = None  # the "inductor" form's compiled function; False once a compile failed
+    compile_failure = None
 
     def forward(self, x):
         if self.cast is not None and torch.compiler.is_compiling() and not torch.is_grad_enabled() \
@@ -264,6 +299,22 @@ class DecodeLinear(nn.Linear):
         it is that large. Run through in turn, each product reads its weight from memory."""
         nbytes = cls.COLD_BYTES if nbytes is None else nbytes
         return [weight] + [weight.clone() for _ in range(nbytes // (weight.nbytes or 1) - 1)]
+
+    @classmethod
+    def multiply_sum(cls):
+        """`_multiply_sum` through torch.compile (compiled at each new shape's first call), or
+        RuntimeError once a compile failed."""
+        if cls._compiled_product is None:
+            cls._compiled_product = torch.compile(_multiply_sum, dynamic=False)
+        if cls._compiled_product is False:
+            raise RuntimeError(f"the compiled multiply and sum failed: {cls.compile_failure}")
+        return cls._compiled_product
+
+    @classmethod
+    def multiply_sum_failed(cls, e):
+        cls._compiled_product = False
+        cls.compile_failure = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+        cls._say(f"inductor's form refused from now on (torch.compile failed: {cls.compile_failure})")
 
     @classmethod
     def _usable(cls):

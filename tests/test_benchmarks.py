@@ -597,6 +597,28 @@ def test_decode_graph_static_step_follows_the_models_own_steps():
         assert float(diff) < 1e-5 and argmax == "the same", (name, diff, argmax)
 
 
+def test_decode_linear_times_whole_steps_with_each_form_fixed():
+    """benchmarks/decode_linear.py --steps=T: a row per variant and batch, a median step time per
+    form of DecodeLinear.FORMS (each fixed in turns), and each relative to oneDNN's (its own 1.00)."""
+    from model import DecodeLinear
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_linear.py"), "--steps=80",
+                        "--variants=local,moba", "--batch=1,2", "--rounds=1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| variant"))
+    assert header.split(" | ")[2:2 + len(DecodeLinear.FORMS)] == [f"{f} ms" for f in DecodeLinear.FORMS]
+    rows = [line.strip("| ").split(" | ") for line in lines if line.startswith(("| local", "| moba"))]
+    assert [(v, b) for v, b, *_ in rows] == [("local", "1"), ("local", "2"), ("moba", "1"), ("moba", "2")]
+    n = len(DecodeLinear.FORMS)
+    for _, _, *cells in rows:
+        ms, ratios = [float(c) for c in cells[:n]], [float(c) for c in cells[n:]]
+        assert len(ratios) == n and all(t > 0 for t in ms) and ratios[0] == 1.0
+        for t, ratio in zip(ms, ratios):  # (ms printed to 0.01, ratios to 0.01)
+            assert abs(ratio - t / ms[0]) <= 0.006 + ratio * (0.006 / t + 0.006 / ms[0])
+
+
 def test_decode_linear_times_every_form_in_and_out_of_cache():
     """benchmarks/decode_linear.py: for each (rows, weight shape) of decode.py's model, a row per
     form of DecodeLinear.FORMS, fastest out of cache first, each time relative to F.linear's

@@ -616,8 +616,50 @@ def test_every_decode_linear_form_equals_f_linear(capsys, monkeypatch):
                                                rtol=1e-5, atol=1e-6)
             assert f"{name} (DECODE_LINEAR)" in capsys.readouterr().err
         monkeypatch.setattr(DecodeLinear, "FORM", "mkl")
-        with pytest.raises(ValueError, match="DECODE_LINEAR='mkl' names no form.*'oneDNN', 'F.linear', 'W x\\^T'"):
+        with pytest.raises(ValueError, match="DECODE_LINEAR='mkl' names no form.*'oneDNN', 'F.linear', 'W x\\^T', 'inductor'"):
             without(torch.randn(1, 48))
+
+
+def test_the_inductor_form_drops_out_where_it_cannot_compile_and_counts_as_f_linear(capsys, monkeypatch):
+    """DecodeLinear's "inductor" form (a compiled multiply and sum) is refused where its compile
+    fails: the size's measuring drops it, says why once, runs the fastest of the others, and
+    later sizes never time it again. Under a Python dispatch mode (an op counter) it runs
+    F.linear's product, not the compiled loop nor its uncompiled (rows, out, in) product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    DecodeLinear = model_module.DecodeLinear
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 40)
+    layer.__class__ = DecodeLinear
+    for name, value in (("FORM", None), ("chosen", {}), ("path", None), ("COLD_BYTES", 2 * layer.weight.nbytes)):
+        monkeypatch.setattr(DecodeLinear, name, value)
+    calls = []
+
+    def failing(rows, weight):
+        calls.append(rows.shape)
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+    monkeypatch.setattr(DecodeLinear, "_compiled_product", failing)
+    x = torch.randn(1, 1, 48)
+    with torch.no_grad():
+        y = layer(x)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert len(calls) == 1 and DecodeLinear.chosen[(1, 40, 48, True)] != "inductor"
+        assert DecodeLinear._compiled_product is False
+        assert "inductor's form refused from now on (torch.compile failed: RuntimeError: InvalidCxxCompiler" \
+            in capsys.readouterr().err
+        layer(torch.randn(3, 1, 48))  # a new size: the form is refused before any compile
+        assert len(calls) == 1 and DecodeLinear.chosen[(3, 40, 48, True)] != "inductor"
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    monkeypatch.setattr(DecodeLinear, "_compiled_product", None)
+    monkeypatch.setattr(DecodeLinear, "FORM", "inductor")
+    ops = []
+    with torch.no_grad(), Ops():
+        y = layer(x)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert "addmm" in ops and "sum" not in ops and DecodeLinear._compiled_product is None, ops
 
 
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "caa"])
