@@ -129,32 +129,45 @@ def _weight_major_linear(x, weight, bias):
     return y.t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def _multiply_sum(rows, weight):
-    """rows W^T as a product and a sum over the inputs, for inductor to compile."""
-    return (rows[:, None, :] * weight).sum(-1)
+def _multiply_sum(row, weight):
+    """row W^T as a product and a sum over the inputs, for inductor to compile."""
+    return (row[:, None, :] * weight).sum(-1)
+
+
+class FormRefused(RuntimeError):
+    """A DecodeLinear form that does not take these inputs: the measuring drops it for the size,
+    and a form fixed by DECODE_LINEAR leaves such products to F.linear."""
+
+
+# _inductor_linear takes one row of x and a weight of at least INDUCTOR_WEIGHT elements: with more
+# rows it reads the weight once a row (1.04-1.12x F.linear's time at 8 rows out of cache), and
+# below this size a call's ~25 us outlasts the product (F.linear 5 us for 768 -> 12). So its
+# graphs are one per input width of a model's large products (each loop unrolled), the output
+# count dynamic: a few, well within dynamo's recompile limit.
+INDUCTOR_WEIGHT = 1 << 16
 
 
 def _inductor_linear(x, weight, bias):
-    """x W^T + b as a multiply and a sum over the inputs, compiled by inductor (C++ on a CPU)
-    into one loop that reads each weight row once, the row of x from cache. MKL's and oneDNN's
-    one-row products read a weight out of cache at 16-26 GB/s on an AMD EPYC with AVX-512, a
-    plain sum over it at 27-35; this loop at 27-31 (benchmarks/decode_linear.py). With more
-    rows it reads the weight once a row: slower than the others from 2 rows on. Refused
-    (RuntimeError) where inductor cannot compile (no C++ compiler). Under a Python dispatch
-    mode (an op counter, a profiler's) F.linear, the same product: a compiled call there runs
-    its later calls uncompiled too (kernels.compiled_helper_usable)."""
+    """x W^T + b for one row of x, as a multiply and a sum over the inputs compiled by inductor
+    (C++ on a CPU) into one loop that reads each weight row once, the row from cache. MKL's and
+    oneDNN's one-row products read a weight out of cache at 16-26 GB/s on an AMD EPYC with
+    AVX-512, a plain sum over it at 27-35; this loop at 28-35 (benchmarks/decode_linear.py).
+    FormRefused for more rows or a smaller weight (`INDUCTOR_WEIGHT`), and from the first
+    failed compile on (no C++ compiler). Under a Python dispatch mode (an op counter, a
+    profiler's) F.linear, the same product: a compiled call there runs its later calls
+    uncompiled too (kernels.compiled_helper_usable)."""
+    if x.numel() != x.shape[-1] or weight.numel() < INDUCTOR_WEIGHT:
+        raise FormRefused(f"inductor's form takes one row and a weight of at least {INDUCTOR_WEIGHT} elements")
     if not compiled_helper_usable():
         return F.linear(x, weight, bias)
     fn = DecodeLinear.multiply_sum()
-    rows, weight_ = x.reshape(-1, x.shape[-1]), weight.view(weight.shape)  # (marked below: views, not the parameter)
-    # one graph for each width of the inputs (its loop unrolled), any count of outputs; 1 row its own
-    torch._dynamo.maybe_mark_dynamic(rows, 0)
-    torch._dynamo.maybe_mark_dynamic(weight_, 0)
+    weight_ = weight.view(weight.shape)  # marked below: a view, not the parameter
+    torch._dynamo.maybe_mark_dynamic(weight_, 0)  # any count of outputs
     try:
-        y = fn(rows, weight_)
+        y = fn(x.reshape(1, -1), weight_)
     except Exception as e:  # a new shape that fails to compile: this form is refused from now on
         DecodeLinear.multiply_sum_failed(e)
-        raise RuntimeError(f"the compiled multiply and sum failed: {DecodeLinear.compile_failure}") from e
+        raise FormRefused(f"the compiled multiply and sum failed: {DecodeLinear.compile_failure}") from e
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
@@ -230,6 +243,10 @@ class DecodeLinear(nn.Linear):
                              f"{', '.join(repr(n) for n in cls.FORMS)}, or unset it to measure them")
         else:
             cls._say(f"{name} (DECODE_LINEAR)")
+            try:  # (a form that refuses some products, FormRefused, leaves them to F.linear)
+                return cls.FORMS[name](x, weight, bias)
+            except FormRefused:
+                return F.linear(x, weight, bias)
         return cls.FORMS[name](x, weight, bias)
 
     @classmethod
@@ -307,7 +324,7 @@ class DecodeLinear(nn.Linear):
         if cls._compiled_product is None:
             cls._compiled_product = torch.compile(_multiply_sum, dynamic=False)
         if cls._compiled_product is False:
-            raise RuntimeError(f"the compiled multiply and sum failed: {cls.compile_failure}")
+            raise FormRefused(f"the compiled multiply and sum failed: {cls.compile_failure}")
         return cls._compiled_product
 
     @classmethod

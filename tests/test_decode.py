@@ -620,34 +620,53 @@ def test_every_decode_linear_form_equals_f_linear(capsys, monkeypatch):
             without(torch.randn(1, 48))
 
 
-def test_the_inductor_form_drops_out_where_it_cannot_compile_and_counts_as_f_linear(capsys, monkeypatch):
-    """DecodeLinear's "inductor" form (a compiled multiply and sum) is refused where its compile
-    fails: the size's measuring drops it, says why once, runs the fastest of the others, and
-    later sizes never time it again. Under a Python dispatch mode (an op counter) it runs
-    F.linear's product, not the compiled loop nor its uncompiled (rows, out, in) product."""
+def test_the_inductor_form_takes_one_row_of_a_large_weight_and_drops_out_where_it_cannot_compile(capsys, monkeypatch):
+    """DecodeLinear's "inductor" form (a compiled multiply and sum): fixed by DECODE_LINEAR, one
+    row of x through a weight of at least INDUCTOR_WEIGHT elements runs the compiled loop
+    (F.linear's product to float32 rounding); more rows, or a smaller weight, it refuses and
+    F.linear runs them, to the bit. Measured, it is never chosen for what it refuses. Where
+    its compile fails it is refused from then on: the size's measuring drops it, says why
+    once, runs the fastest of the others, and later sizes never time it again. Under a Python
+    dispatch mode (an op counter) it runs F.linear's product, not the compiled loop nor its
+    uncompiled (rows, out, in) product."""
     from torch.utils._python_dispatch import TorchDispatchMode
     DecodeLinear = model_module.DecodeLinear
     torch.manual_seed(0)
-    layer = torch.nn.Linear(48, 40)
-    layer.__class__ = DecodeLinear
-    for name, value in (("FORM", None), ("chosen", {}), ("path", None), ("COLD_BYTES", 2 * layer.weight.nbytes)):
+    layer, small = torch.nn.Linear(256, 512), torch.nn.Linear(48, 40)
+    assert layer.weight.numel() >= model_module.INDUCTOR_WEIGHT > small.weight.numel()
+    for m in (layer, small):
+        m.__class__ = DecodeLinear
+    for name, value in (("FORM", "inductor"), ("chosen", {}), ("path", None), ("_compiled_product", None),
+                        ("COLD_BYTES", 2 * layer.weight.nbytes)):
         monkeypatch.setattr(DecodeLinear, name, value)
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert DecodeLinear._compiled_product is not None  # the compiled loop ran
+        for m, xs in ((layer, torch.randn(3, 1, 256)), (small, torch.randn(1, 1, 48))):
+            assert torch.equal(m(xs), torch.nn.functional.linear(xs, m.weight, m.bias))
+        assert DecodeLinear._compiled_product not in (None, False)  # refused, not failed
+        monkeypatch.setattr(DecodeLinear, "FORM", None)
+        layer(torch.randn(3, 1, 256)), small(torch.randn(1, 1, 48))
+        assert DecodeLinear.chosen[(3, 512, 256, True)] != "inductor" and DecodeLinear.chosen[(1, 40, 48, True)] != "inductor"
     calls = []
 
     def failing(rows, weight):
         calls.append(rows.shape)
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
     monkeypatch.setattr(DecodeLinear, "_compiled_product", failing)
-    x = torch.randn(1, 1, 48)
+    capsys.readouterr()
     with torch.no_grad():
-        y = layer(x)
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
-        assert len(calls) == 1 and DecodeLinear.chosen[(1, 40, 48, True)] != "inductor"
+        y = layer(x)  # measured: the failing compile drops the form
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert len(calls) == 1 and DecodeLinear.chosen[(1, 512, 256, True)] != "inductor"
         assert DecodeLinear._compiled_product is False
         assert "inductor's form refused from now on (torch.compile failed: RuntimeError: InvalidCxxCompiler" \
             in capsys.readouterr().err
-        layer(torch.randn(3, 1, 48))  # a new size: the form is refused before any compile
-        assert len(calls) == 1 and DecodeLinear.chosen[(3, 40, 48, True)] != "inductor"
+        wide = torch.nn.Linear(512, 256)
+        wide.__class__ = DecodeLinear
+        wide(torch.randn(1, 1, 512))  # a new size: the form is refused before any compile
+        assert len(calls) == 1 and DecodeLinear.chosen[(1, 256, 512, True)] != "inductor"
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
