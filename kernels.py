@@ -2454,18 +2454,36 @@ def keys_times(rows, kT):
     0.95 whole, 0.21 for a plain sum over the keys; 12 key heads x 8 rows x 16384 keys 4.63,
     10.80, 6.78 and 1.67 ms; on an Intel AVX-512 host (pieces of 32 summed) 0.52-0.71x the
     whole product's time at 2-16 rows. One row is BLAS's matrix-vector product, which streams
-    at a sum's speed: whole. Traced into a compiled step, the pieces are summed (each product
-    `cache_bmm`, opaque to inductor). Autocast's lower-precision products stay whole (each
-    piece would round to its dtype)."""
+    at a sum's speed: whole. Traced into a compiled step without gradients (decoding), the
+    pieces are one call opaque to inductor (`cache_keys_times`), so that they run as they do
+    eagerly: traced op by op, the in-place adds became a product and a sum each. Autocast's
+    lower-precision products stay whole (each piece would round to its dtype)."""
     D, R = kT.shape[1], rows.shape[1]
     if (rows.device.type != "cpu" or not 2 <= R <= KEY_ROWS or D <= KEY_STREAMS or kT.stride(-1) != 1
             or rows.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
         return _bmm(rows, kT)
-    out = _bmm(rows[..., :KEY_STREAMS], kT[:, :KEY_STREAMS])
-    for d0 in range(KEY_STREAMS, D, KEY_STREAMS):
-        piece = rows[..., d0:d0 + KEY_STREAMS], kT[:, d0:d0 + KEY_STREAMS]
-        out = out + _bmm(*piece) if torch.compiler.is_compiling() else out.baddbmm_(*piece)
+    if torch.compiler.is_compiling():
+        return torch.bmm(rows, kT) if torch.is_grad_enabled() else cache_keys_times(rows, kT)
+    return _keys_in_pieces(rows, kT)
+
+
+def _keys_in_pieces(rows, kT):
+    """keys_times' product in pieces of KEY_STREAMS rows of kT, each added in place."""
+    out = torch.bmm(rows[..., :KEY_STREAMS], kT[:, :KEY_STREAMS])
+    for d0 in range(KEY_STREAMS, kT.shape[1], KEY_STREAMS):
+        out.baddbmm_(rows[..., d0:d0 + KEY_STREAMS], kT[:, d0:d0 + KEY_STREAMS])
     return out
+
+
+@torch.library.custom_op("sparse_attention::cache_keys_times", mutates_args=())
+def cache_keys_times(rows: torch.Tensor, kT: torch.Tensor) -> torch.Tensor:
+    """`_keys_in_pieces`, opaque to inductor (a compiled decoding step's keys_times)."""
+    return _keys_in_pieces(rows, kT)
+
+
+@cache_keys_times.register_fake
+def _(rows, kT):
+    return rows.new_empty(rows.shape[0], rows.shape[1], kT.shape[2])
 
 
 def _decode_logits(q, k, scale):

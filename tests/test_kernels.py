@@ -910,6 +910,37 @@ def test_keys_times_reads_keys_along_the_positions_in_pieces(layout):
             assert seen.depths == [D]
 
 
+def test_keys_times_traced_without_gradients_is_one_opaque_call_of_its_pieces():
+    """Traced by torch.compile without gradients (a compiled decoding step), kernels.keys_times
+    over keys stored along the positions is one call of the custom op cache_keys_times, which
+    runs the eager pieces (their in-place adds): the graph has no bmm of its own, and the
+    result equals the eager one to the bit. With gradients it traces torch.bmm."""
+    from torch._dynamo.backends.debugging import aot_eager
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return aot_eager(gm, example_inputs)
+
+    g = torch.Generator().manual_seed(0)
+    kT = torch.randn(2, 2 * kernels.KEY_STREAMS, 60, generator=g)[..., :50]
+    rows = torch.randn(2, 4, 2 * kernels.KEY_STREAMS, generator=g)
+    try:
+        with torch.no_grad():
+            got = torch.compile(kernels.keys_times, backend=recording, fullgraph=True)(rows, kT)
+        assert torch.equal(got, kernels.keys_times(rows, kT))
+        (targets,) = graphs
+        assert targets.count("sparse_attention.cache_keys_times.default") == 1, targets
+        assert not any("bmm" in t for t in targets), targets
+        torch._dynamo.reset()
+        graphs.clear()
+        torch.compile(kernels.keys_times, backend=recording, fullgraph=True)(rows.requires_grad_(), kT)
+        (targets,) = graphs
+        assert "cache_keys_times" not in str(targets) and any("bmm" in t for t in targets), targets
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_compiled_cpu_softmax_sums_in_pieces_and_keeps_one_graph_past_4096():
     """kernels._softmax_or_zero traced for a CPU with symbolic sizes, as a compiled decoding
     step traces it: its sum over a row is taken in pieces (`_softmax_in_pieces`), so rows
