@@ -319,8 +319,8 @@ class DecodeLinear(nn.Linear):
 
     @classmethod
     def multiply_sum(cls):
-        """`_multiply_sum` through torch.compile (compiled at each new shape's first call), or
-        RuntimeError once a compile failed."""
+        """`_multiply_sum` through torch.compile (compiled at each new shape's first call);
+        FormRefused once a compile failed."""
         if cls._compiled_product is None:
             cls._compiled_product = torch.compile(_multiply_sum, dynamic=False)
         if cls._compiled_product is False:
