@@ -136,7 +136,8 @@ def _multiply_sum(row, weight):
 
 class FormRefused(RuntimeError):
     """A DecodeLinear form that does not take these inputs: the measuring drops it for the size,
-    and a form fixed by DECODE_LINEAR leaves such products to F.linear."""
+    and a call through it (a form fixed by DECODE_LINEAR, or one measured before, called under
+    a dispatch mode) runs F.linear instead."""
 
 
 # _inductor_linear takes one row of x and a weight of at least INDUCTOR_WEIGHT elements: with more
@@ -152,14 +153,14 @@ def _inductor_linear(x, weight, bias):
     (C++ on a CPU) into one loop that reads each weight row once, the row from cache. MKL's and
     oneDNN's one-row products read a weight out of cache at 16-26 GB/s on an AMD EPYC with
     AVX-512, a plain sum over it at 27-35; this loop at 28-35 (benchmarks/decode_linear.py).
-    FormRefused for more rows or a smaller weight (`INDUCTOR_WEIGHT`), and from the first
-    failed compile on (no C++ compiler). Under a Python dispatch mode (an op counter, a
-    profiler's) F.linear, the same product: a compiled call there runs its later calls
-    uncompiled too (kernels.compiled_helper_usable)."""
+    FormRefused for more rows or a smaller weight (`INDUCTOR_WEIGHT`), from the first failed
+    compile on (no C++ compiler), and under a Python dispatch mode (an op counter, a
+    profiler's: a compiled call there runs its later calls uncompiled too,
+    kernels.compiled_helper_usable), where DecodeLinear.product runs F.linear instead."""
     if x.numel() != x.shape[-1] or weight.numel() < INDUCTOR_WEIGHT:
         raise FormRefused(f"inductor's form takes one row and a weight of at least {INDUCTOR_WEIGHT} elements")
     if not compiled_helper_usable():
-        return F.linear(x, weight, bias)
+        raise FormRefused("inductor's form runs no compiled call under a Python dispatch mode")
     fn = DecodeLinear.multiply_sum()
     weight_ = weight.view(weight.shape)  # marked below: a view, not the parameter
     torch._dynamo.maybe_mark_dynamic(weight_, 0)  # any count of outputs
@@ -243,11 +244,10 @@ class DecodeLinear(nn.Linear):
                              f"{', '.join(repr(n) for n in cls.FORMS)}, or unset it to measure them")
         else:
             cls._say(f"{name} (DECODE_LINEAR)")
-            try:  # (a form that refuses some products, FormRefused, leaves them to F.linear)
-                return cls.FORMS[name](x, weight, bias)
-            except FormRefused:
-                return F.linear(x, weight, bias)
-        return cls.FORMS[name](x, weight, bias)
+        try:
+            return cls.FORMS[name](x, weight, bias)
+        except FormRefused:  # (a fixed form's refused products, or any under a dispatch mode)
+            return F.linear(x, weight, bias)
 
     @classmethod
     def _measure(cls, key, x, weight, bias):

@@ -627,8 +627,9 @@ def test_the_inductor_form_takes_one_row_of_a_large_weight_and_drops_out_where_i
     F.linear runs them, to the bit. Measured, it is never chosen for what it refuses. Where
     its compile fails it is refused from then on: the size's measuring drops it, says why
     once, runs the fastest of the others, and later sizes never time it again. Under a Python
-    dispatch mode (an op counter) it runs F.linear's product, not the compiled loop nor its
-    uncompiled (rows, out, in) product."""
+    dispatch mode (an op counter) it is refused: a call through it runs F.linear's product, not
+    the compiled loop nor its uncompiled (rows, out, in) product, and a size measured there
+    never chooses it."""
     from torch.utils._python_dispatch import TorchDispatchMode
     DecodeLinear = model_module.DecodeLinear
     torch.manual_seed(0)
@@ -679,6 +680,14 @@ def test_the_inductor_form_takes_one_row_of_a_large_weight_and_drops_out_where_i
         y = layer(x)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert "addmm" in ops and "sum" not in ops and DecodeLinear._compiled_product is None, ops
+    monkeypatch.setattr(DecodeLinear, "FORM", None)
+    monkeypatch.setattr(DecodeLinear, "chosen", {(1, 512, 256, True): "inductor"})  # measured before the mode
+    ops = []
+    with torch.no_grad(), Ops():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert "addmm" in ops and "sum" not in ops, ops
+        wide(torch.randn(1, 1, 512))  # measured under the mode: never the form it cannot time
+    assert DecodeLinear.chosen[(1, 256, 512, True)] != "inductor" and DecodeLinear._compiled_product is None
 
 
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "caa"])
