@@ -24,6 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import PRESETS, DecodeLinear, Model, ModelConfig  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import build  # noqa: E402
+
 
 def best_ms(run, calls, repeats=5):
     """The best of `repeats` timings of run(i) for i < calls, per call, in ms."""
@@ -88,9 +91,7 @@ def steps(args):
     idx = torch.randint(0, 256, (1, args.steps), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for attn in args.variants.split(","):
-            torch.manual_seed(0)
-            model = Model(ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=2, vocab_size=256, attn=attn,
-                                             kernel="fused"))).eval()
+            model = build(attn, layers=2, vocab=256, device="cpu")  # decode.py's model
             cache = model.new_cache()
             model(idx, cache=cache)
             for batch in (int(b) for b in args.batch.split(",")):
