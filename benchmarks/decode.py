@@ -29,6 +29,12 @@ What is printed, per variant and T:
   rounds, `full` held prefilled beside each row): the machine's speed drifts by 30% between
   rows here, and the ratio is what the table is for. Each turn's first step is untimed
   (`turns`): it pays for the other model's reads, as no step of a decoding loop does.
+  Between rows `full` keeps its batch-1 cache only; its --batch cache is repeated from it
+  for the row's batch turns and dropped after (`batch_beside`), so a row's prefill runs
+  beside `full`'s model and one cache (0.4 GB at 32768), not the 3.6 GB of both: `full`'s
+  own prefill ran beside nothing, and with 3.6 GB held beside it (touched, one process
+  each, this AMD host) nsa's two-layer prefill at 32768 took 36.1 and 36.9 s, without
+  32.8 and 34.1.
 - the settings line (and the JSON's settings): the machine (`host`: CPU model, cores,
   last-level cache, torch's CPU kernels; or the GPU), since the goals' floors move with it.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
@@ -252,10 +258,11 @@ PREFILL_WARM = 4096
 
 
 def measure(attn, T, args, autocast, beside=None, keep=False):
-    """One row: prefill and decoding of `attn` at T. With `beside` (`full`'s model and caches at
-    T, batch 1 and --batch), full's steps are taken in turns with this row's (`turns`) and kept
-    in the row (full_decode_ms, full_decode_batch_ms): its decoding ratios divide by those.
-    keep: also return this model and its caches at batch 1 and --batch (full's, for `beside`)."""
+    """One row: prefill and decoding of `attn` at T. With `beside` (`full`'s step and batch-1
+    cache at T), full's steps are taken in turns with this row's (`turns`; at --batch on a
+    cache repeated from that one, `batch_beside`) and kept in the row (full_decode_ms,
+    full_decode_batch_ms): its decoding ratios divide by those. keep: also return this
+    model's step and its batch-1 cache after its batch-1 steps (full's, for `beside`)."""
     model = build(attn, args.layers, args.vocab, args.device)
     idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
     step, how = compile_decoding(model) if args.compile else (model, "eager")
@@ -278,12 +285,12 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
         nbytes = cache[0].nbytes()
         decode_steps(step, cache, 1, warm, args.device)
         ops = step_ops(model, cache, args.device)  # eager, untimed: a step's ops (launches, on a GPU)
-        one, full_one = turns(step, cache, beside and beside["one"], 1, args)
+        one, full_one = turns(step, cache, beside, 1, args)
         kept = copy.deepcopy(cache) if keep else None
         for layer in cache:
             layer.repeat_batch(args.batch)
         decode_steps(step, cache, args.batch, warm, args.device)
-        many, full_many = turns(step, cache, beside and beside["many"], args.batch, args)
+        many, full_many = turns(step, cache, beside and batch_beside(beside, args.batch), args.batch, args)
     elem = 2 if args.device == "cuda" else 4
     reads = definition_reads(model.layers[0].self_attn, T + args.steps, elem)
     weights = sum(p.numel() * elem for p in model.parameters())
@@ -294,14 +301,24 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     if beside:
         row.update(full_decode_ms=[1e3 * t for t in full_one], full_decode_batch_ms=[1e3 * t for t in full_many])
     if keep:
-        return row, dict(one=(step, kept), many=(step, cache))
+        return row, (step, kept)
     del cache, model
     return row
 
 
+def batch_beside(beside, batch):
+    """`full`'s step and a cache at `batch` repeated from its batch-1 cache (`beside`), made for
+    one row's batch turns only: held between rows, it would sit beside each row's prefill."""
+    step, cache = beside
+    cache = copy.deepcopy(cache)
+    for layer in cache:
+        layer.repeat_batch(batch)
+    return step, cache
+
+
 def hold_full(T, args, autocast):
-    """`full`'s model and caches at T (batch 1 and --batch) for `measure`'s beside, where its own
-    row was kept from an earlier run."""
+    """`full`'s step and batch-1 cache at T for `measure`'s beside, where its own row was kept
+    from an earlier run."""
     return measure("full", T, args, autocast, keep=True)[1]
 
 

@@ -440,6 +440,41 @@ def test_decode_benchmark_times_its_eager_steps_after_an_untimed_one(tmp_path, m
     assert len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 3
 
 
+def test_decode_benchmark_holds_only_fulls_batch_one_cache_beside_a_rows_prefill(tmp_path, monkeypatch):
+    """Between rows `full` keeps its batch-1 cache only: a later row's prefill runs beside that
+    one cache (with both held, 3.6 GB at T = 32768, nsa's prefill took ~8% longer than beside
+    none, where `full`'s own ran beside nothing), and `full`'s batch turns run on a cache at
+    --batch repeated from it for that row."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode
+    held, batches = [], []
+    real_measure, real_turns = decode.measure, decode.turns
+
+    def batch_of(cache):
+        return cache[0].k.view().shape[0]
+
+    def measure(attn, T, args, autocast, beside=None, keep=False):
+        if beside:  # what `full` holds while this row prefills
+            held.append([batch_of(obj) for obj in beside if isinstance(obj, list)])
+        return real_measure(attn, T, args, autocast, beside=beside, keep=keep)
+
+    def turns(step, cache, beside, batch, args):
+        if beside:
+            batches.append((batch, batch_of(beside[1])))
+        return real_turns(step, cache, beside, batch, args)
+
+    monkeypatch.setattr(decode, "measure", measure)
+    monkeypatch.setattr(decode, "turns", turns)
+    threads = torch.get_num_threads()
+    try:
+        decode.main(["--lengths=32", "--variants=full,local,nsa", "--steps=2", "--batch=3", "--layers=1",
+                     f"--out={tmp_path / 'decode.json'}"])
+    finally:
+        torch.set_num_threads(threads)  # decode.py sets one thread
+    assert held == [[1], [1]], held  # local's and nsa's prefills: full's batch-1 cache alone
+    assert batches == [(1, 1), (3, 3)] * 2, batches  # each side's turns at the row's batch
+
+
 def test_decode_benchmark_turns_start_with_an_untimed_step(monkeypatch):
     """Steps taken in turns with full's: each side's turn starts with one untimed step (the
     first step after the other model's runs on data its reads evicted from the caches, which
