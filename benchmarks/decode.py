@@ -18,11 +18,18 @@ tensor of 2 MB or more on transparent huge pages) spares a long prefill's large 
 their 4 KB page faults; the settings record it when it is set (docs/performance.md).
 
 What is printed, per variant and T:
-- prefill: seconds for the T-token prompt (one run; on CUDA after one untimed run, which
-  compiles the GPU path for that shape; on a CPU after an untimed prefill of min(T, 4096)
-  tokens, in which a compiled helper compiles at its first call, kernels.GatheredDots for
-  the indexer's listed keys: ~10 s once a process, which the first row to use it counted),
-  and that over `full`'s.
+- prefill: seconds for the T-token prompt (one run, after one untimed prefill of the same
+  prompt: on CUDA it compiles the GPU path for that shape; on a CPU a compiled helper
+  compiles at its first call, kernels.GatheredDots for the indexer's listed keys, ~10 s once
+  a process, and the prefill's memory is touched once before it is timed), and that over
+  `full`'s. Why the whole prompt on a CPU: on a VM whose guest hands freed memory back to
+  its host (free page reporting: this project's CI machine, a Firecracker guest reporting
+  free 8 MB chunks), a process's first touch of memory it has not held yet costs a fault
+  in the host too, up to ~3 ms a MB. A first prefill of T paid it for every temporary: one
+  layer of nsa at 16384, 8.1 s first, 6.0 and 6.1 s after, `full`'s 8.2-8.4 s each time,
+  since a variant pays it by the memory it touches, not by the work it does. After an
+  untimed prefill of 4096 tokens (what this did before), nsa's two layers at 32768 took
+  0.62-0.64 of `full`'s.
 - decode: the median ms of --steps one-token steps (after one untimed step, `measure`), its
   spread (min - max over the steps) and that over `full`'s median, at batch 1 and at
   --batch. `full`'s steps for that ratio are taken in turns with the row's own (--rounds
@@ -252,11 +259,6 @@ def turns(step, cache, beside, batch, args):
     return mine, theirs
 
 
-# the untimed prefill's tokens on a CPU: past 2 x kernels.LISTED_DENSE x k = 2048 tokens the
-# indexer reads its listed keys in place, through kernels.GatheredDots
-PREFILL_WARM = 4096
-
-
 def measure(attn, T, args, autocast, beside=None, keep=False):
     """One row: prefill and decoding of `attn` at T. With `beside` (`full`'s step and batch-1
     cache at T), full's steps are taken in turns with this row's (`turns`; at --batch on a
@@ -274,10 +276,7 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     # compiled: buffers that hold every step without growing (a growth is a graph of its own)
     capacity = T + 2 * (warm + args.steps + args.rounds) + 2 if args.compile else 0  # + each turn's untimed step
     with torch.no_grad(), autocast:
-        if args.device == "cuda":  # compiles (one per shape) outside the timing
-            model(idx, cache=model.new_cache())
-        else:  # the CPU's compiled helpers compile at their first call (once a process), outside the timing
-            model(idx[:, :PREFILL_WARM], cache=model.new_cache())
+        model(idx, cache=model.new_cache())  # untimed: compiles, and touches the prefill's memory (above)
         cache = model.new_cache(capacity)
         t0 = clock(args.device)
         model(idx, cache=cache)
