@@ -15,7 +15,10 @@ batch 1, then at --batch), each checkout's median over all its steps: a drift of
 machine's speed between runs (30% here) falls on both sides alike. --prefills=N: the
 prefills too, N rounds in turns, the checkouts' order reversed every other round (A B B A),
 the median of each checkout's N: one prefill a side falls wherever the machine's drift puts
-it (30% here), as decoding steps do.
+it (30% here), as decoding steps do. Each timed prefill follows an untimed one of the same
+prompt by the same model, as decode.py's does: a first prefill pays for touching its memory
+(on a VM that hands freed memory to its host, up to ~3 ms a MB) and compiles a checkout's
+helpers, so whichever checkout ran first paid more.
 
 Each checkout takes one untimed step at each batch first (its kernels.GatheredDots compiles at
 its first call), as decode.py does. --compile: each checkout's steps through its own
@@ -44,6 +47,7 @@ def prefill(models, attn, T, capacity=0):
     model = models.Model(cfg).eval()
     idx = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        model(idx, cache=model.new_cache())  # untimed: compiles, and touches the prefill's memory
         cache = model.new_cache(capacity) if capacity else model.new_cache()
         t0 = clock("cpu")
         model(idx, cache=cache)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -550,6 +551,31 @@ def test_decode_ab_compiles_each_checkouts_steps(tmp_path):
     assert len(said) == 1 and "steps compiled (torch.compile" in said[0], said
     rows = [line for line in r.stdout.splitlines() if line.startswith("| full | 64 | a |")]
     assert len(rows) == 1 and float(rows[0].split("|")[7]) > 0
+
+
+def test_decode_ab_times_a_prefill_after_an_untimed_one_of_the_same_prompt(monkeypatch):
+    """decode_ab.py's prefill, as decode.py's: an untimed prefill of the same prompt by the same
+    model, then the timed one on a fresh cache (a first prefill pays for touching its memory
+    and compiles helpers: the checkout that ran first paid more)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode_ab
+    import model as models
+    events, real_clock = [], decode_ab.clock
+
+    class Recorded(models.Model):
+        def forward(self, idx, *a, cache=None, **kw):
+            events.append(("prefill", idx.shape[1], cache))  # the cache kept: ids are not reused
+            return super().forward(idx, *a, cache=cache, **kw)
+
+    def clock(device):
+        events.append(("clock",))
+        return real_clock(device)
+
+    monkeypatch.setattr(decode_ab, "clock", clock)
+    checkout = types.SimpleNamespace(ModelConfig=models.ModelConfig, PRESETS=models.PRESETS, Model=Recorded)
+    model, cache, seconds = decode_ab.prefill(checkout, "local", 40)
+    assert [e[:2] for e in events] == [("prefill", 40), ("clock",), ("prefill", 40), ("clock",)], events
+    assert events[2][2] is cache and events[0][2] is not cache and seconds > 0  # the timed one fills the cache returned
 
 
 def test_decode_ab_runs_each_checkout_and_divides_by_its_full(tmp_path):
