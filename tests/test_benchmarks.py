@@ -393,6 +393,15 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     assert len(local["full_decode_ms"]) == 2 and "T=64 local" in third.stdout and "T=64 nsa" not in third.stdout
 
 
+def run_decode(decode, argv):
+    """benchmarks/decode.py's main in this process, torch's thread count restored after (it sets one)."""
+    threads = torch.get_num_threads()
+    try:
+        decode.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
     """A row that fails (on an H100: nsa's prefill out of memory at T = 32768) is kept with its
     error, and the rows after it are still measured."""
@@ -407,11 +416,7 @@ def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
 
     monkeypatch.setattr(decode, "measure", measure)
     out = tmp_path / "decode.json"
-    threads = torch.get_num_threads()
-    try:
-        decode.main(["--lengths=32", "--variants=full,local,nsa", "--steps=1", "--layers=1", f"--out={out}"])
-    finally:
-        torch.set_num_threads(threads)  # decode.py sets one thread
+    run_decode(decode, ["--lengths=32", "--variants=full,local,nsa", "--steps=1", "--layers=1", f"--out={out}"])
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["local"]["skipped"].startswith("failed: RuntimeError: CUDA out of memory")
     assert "decode_ms" in rows["nsa"] and "decode_ms" in rows["full"]
@@ -431,11 +436,7 @@ def test_decode_benchmark_times_its_eager_steps_after_an_untimed_one(tmp_path, m
 
     monkeypatch.setattr(decode, "decode_steps", decode_steps)
     out = tmp_path / "decode.json"
-    threads = torch.get_num_threads()
-    try:
-        decode.main(["--lengths=32", "--variants=nsa", "--steps=3", "--batch=2", "--layers=1", f"--out={out}"])
-    finally:
-        torch.set_num_threads(threads)  # decode.py sets one thread
+    run_decode(decode, ["--lengths=32", "--variants=nsa", "--steps=3", "--batch=2", "--layers=1", f"--out={out}"])
     row, = json.loads(out.read_text())["rows"]
     assert calls == [(1, 1), (1, 3), (2, 1), (2, 3)], calls
     assert len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 3
@@ -466,12 +467,8 @@ def test_decode_benchmark_holds_only_fulls_batch_one_cache_beside_a_rows_prefill
 
     monkeypatch.setattr(decode, "measure", measure)
     monkeypatch.setattr(decode, "turns", turns)
-    threads = torch.get_num_threads()
-    try:
-        decode.main(["--lengths=32", "--variants=full,local,nsa", "--steps=2", "--batch=3", "--layers=1",
-                     f"--out={tmp_path / 'decode.json'}"])
-    finally:
-        torch.set_num_threads(threads)  # decode.py sets one thread
+    run_decode(decode, ["--lengths=32", "--variants=full,local,nsa", "--steps=2", "--batch=3", "--layers=1",
+               f"--out={tmp_path / 'decode.json'}"])
     assert held == [[1], [1]], held  # local's and nsa's prefills: full's batch-1 cache alone
     assert batches == [(1, 1), (3, 3)] * 2, batches  # each side's turns at the row's batch
 
@@ -504,12 +501,8 @@ def test_decode_benchmark_times_a_prefill_after_an_untimed_one_of_the_same_promp
 
     monkeypatch.setattr(decode, "build", build)
     monkeypatch.setattr(decode, "clock", clock)
-    threads = torch.get_num_threads()
-    try:
-        decode.main(["--lengths=4160", "--variants=full,nsa", "--steps=1", "--batch=2", "--layers=1",
-                     f"--out={tmp_path / 'd.json'}"])
-    finally:
-        torch.set_num_threads(threads)  # decode.py sets one thread
+    run_decode(decode, ["--lengths=4160", "--variants=full,nsa", "--steps=1", "--batch=2", "--layers=1",
+               f"--out={tmp_path / 'd.json'}"])
     lengths = [T for T, _ in prompts]
     assert lengths == [4160] * 4, prompts  # full's two prefills, then nsa's (more tokens than the 4096 once warmed)
     # the timed one is the second of each row: a clock read right before it, none between the first and it
