@@ -913,18 +913,17 @@ def block_dispatch(q, k, v, blocks, off, block, first, scale):
     B, H, T, D = q.shape
     S, n = k.shape[2], blocks.shape[-1]
     before = first % block  # positions of block first // block that precede the first key
-    # (B, H, nb, block, D), block 0 = first // block: padded only where the keys do not start at
-    # a block (F.pad copies even a pad of 0); the reshapes below copy only rows not already blocks
-    kb, vb = (to_blocks(F.pad(x, (0, 0, before, 0)) if before else x, block) for x in (k, v))
-    nb = kb.shape[2]
+    # (B H apart, block, D): (batch, head) i's block j at row i apart + j, block 0 = first // block
+    (kb, apart), (vb, _) = (key_blocks(x, block, before) for x in (k, v))
+    nb = ceil_div(before + S, block)
     rel = blocks - first // block  # (B, H, T, n) block index in kb
     ok = (blocks >= 0) & (rel >= 0) & (rel < nb)
     ok = ok & ~repeated(blocks)  # a block listed twice counts once
-    group = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * nb + rel.clamp(0, nb - 1)  # (B, H, T, n)
+    group = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * apart + rel.clamp(0, nb - 1)  # (B, H, T, n)
     pair = ok.flatten().nonzero().squeeze(1)  # (P,) valid (query, slot) pairs, index into B * H * T * n
     order = torch.argsort(group.flatten()[pair], stable=True)
     pair = pair[order]
-    pos, tile_group = tile_layout(group.flatten()[pair], B * H * nb, DISPATCH_TILE)
+    pos, tile_group = tile_layout(group.flatten()[pair], kb.shape[0], DISPATCH_TILE)
     rows = torch.full((tile_group.numel() * DISPATCH_TILE,), B * H * T, device=q.device)  # B H T: padding
     rows[pos] = pair // n
     # visible: the keys j of a listed block at offsets lo <= j <= hi, lo = first - its start (keys
@@ -936,9 +935,28 @@ def block_dispatch(q, k, v, blocks, off, block, first, scale):
     lo[pos] = (first - start).clamp_(0, block).to(torch.int16)
     hi[pos] = (first + off + pair // n % T - start).clamp_(-1, block - 1).to(torch.int16)
     masked = ((lo > 0) | (hi < block - 1)).nonzero().squeeze(1)  # the pairs that see part of their block
-    out = BlockDispatch.apply(q.reshape(B * H * T, D), kb.reshape(B * H * nb, block, D), vb.reshape(B * H * nb, block, D),
-                              rows, tile_group, DISPATCH_TILE, masked, lo[masked], hi[masked], scale)
+    out = BlockDispatch.apply(q.reshape(B * H * T, D), kb, vb, rows, tile_group, DISPATCH_TILE, masked, lo[masked],
+                              hi[masked], scale)
     return out.view(B, H, T, D)
+
+
+def key_blocks(x, block, before):
+    """(x's blocks (rows, block, D), apart): the keys x (B, H, S, D), `before` zero rows put
+    ahead of them and zeros after up to whole blocks, as rows of `block` keys, (batch, head) i's
+    j-th at row i apart + j. Where no zero row is needed and each head's rows lie `apart` whole
+    blocks after the last's, as in a KV cache's buffer, a view of x's memory (no gradient
+    taken): in an nsa prefill at T = 32768 (12 heads) the keys' and values' copies were 200 MB
+    of fresh memory a layer; otherwise (B H nb, block, D) copied, apart = nb."""
+    B, H, S, D = x.shape
+    view = (before == 0 and S % block == 0 and x.stride(-1) == 1 and x.stride(-2) == D
+            and x.stride(1) % (block * D) == 0 and (B == 1 or x.stride(0) == H * x.stride(1))
+            and not (torch.is_grad_enabled() and x.requires_grad))
+    if view:
+        apart = x.stride(1) // (block * D) if H > 1 else S // block
+        return x.as_strided(((B * H - 1) * apart + S // block, block, D), (block * D, D, 1)), apart
+    # padded only where the keys do not start at a block (F.pad copies even a pad of 0)
+    xb = to_blocks(F.pad(x, (0, 0, before, 0)) if before else x, block)
+    return xb.reshape(-1, block, D), xb.shape[2]
 
 
 # ---------------------------------------------------------------------------- BLOCKWISE: the core ops
@@ -949,8 +967,24 @@ def _float32(*tensors):
 
 
 def _scaled(q, scale):
-    """q * scale, scale a float or one per head (H,): the blockwise loops take q pre-scaled."""
-    return q * (scale.float()[None, :, None, None] if torch.is_tensor(scale) else scale)
+    """q * scale, scale a float or one per head (H,), contiguous: the blockwise loops take q
+    pre-scaled, and a band's query blocks are a view of it. q from the projections lies
+    positions-major ((B, T, H, D) transposed), and q * scale kept that layout, so the bands
+    copied it again to make their blocks: one copy (and one fresh 100 MB array at T = 32768,
+    12 heads) a window branch saves."""
+    s = scale.float()[None, :, None, None] if torch.is_tensor(scale) else scale
+    return q * s if q.is_contiguous() else q.contiguous().mul_(s)
+
+
+def _heads(x, n_head):
+    """expand_kv for the loops that only read the keys and values and copy what they need of
+    them (a band's key buffer, the selected branch's blocks): without GQA, x as it lies when
+    each head's (S, D) rows are contiguous, as a KV cache's view is (its capacity between the
+    heads), instead of expand_kv's contiguous copy (two 100 MB copies a branch in an nsa
+    prefill at T = 32768, 12 heads)."""
+    if n_head == x.shape[1] and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x
+    return expand_kv(x, n_head)
 
 
 def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_from=0, bias=None):
@@ -958,7 +992,7 @@ def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_fr
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
         B, H, T, D = q.shape
-        q, k, v = _float32(_scaled(q, scale), expand_kv(k, H), expand_kv(v, H))
+        q, k, v = _float32(_scaled(q, scale), _heads(k, H), _heads(v, H))
         scale = 1.0
         # queries before window_from see every earlier key (dsa's adaptive window)
         split = T if window is None else min(T, max(0, window_from - q_start))
@@ -994,7 +1028,8 @@ def _banded(q, k, v, off, window, scale, bias, t0):
         t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, 1, band.nb, band.Bq, 1)
         # padded query rows reuse row T-1; rows of the bias: per batch row or per (b, h)
         bias_BnbBqL = band.mask_bias() + bias(b, h, t, band.dist).float().flatten(0, 1)
-    out = BandAttention.apply((q * scale).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias_BnbBqL, band)
+    q = q if scale == 1.0 else q * scale  # blockwise_attention's q comes scaled
+    out = BandAttention.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias_BnbBqL, band)
     return out.view(B, H, T, D)
 
 
@@ -1045,7 +1080,7 @@ def blockwise_block_attention(q, k, v, scale, q_start, k_start, block, blocks):
     with torch.autocast(q.device.type, enabled=False):
         off = key_offset(q, k, q_start, k_start)
         H = q.shape[1]
-        q, k, v = _float32(q, expand_kv(k, H), expand_kv(v, H))
+        q, k, v = _float32(q, _heads(k, H), _heads(v, H))
         return block_dispatch(q, k, v, blocks, off, block, k_start, scale)
 
 

@@ -474,6 +474,30 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     assert rel(flex, ref) < 1e-5
 
 
+@pytest.mark.parametrize("S,q_start", [(64, 0), (64, 40), (60, 40)])
+def test_block_and_window_attention_read_a_caches_keys_in_place(S, q_start):
+    """Without GQA, keys and values that are views of a KV cache's buffers (each head's rows
+    contiguous, the buffer's spare capacity between the heads, 2 batch rows): the selected
+    branch reads their blocks in place where the keys fill whole blocks (no copy: the blocks
+    share the buffer's memory) and copies them otherwise, and both it and the window branch
+    equal the reference, whose inputs are contiguous copies."""
+    B, H, D, block, cap = 2, 3, 8, 8, 96
+    T = S - q_start
+    g = torch.Generator().manual_seed(S + q_start)
+    k_buf, v_buf = (torch.randn(B, H, cap, D, generator=g) for _ in range(2))
+    k, v = k_buf[:, :, :S], v_buf[:, :, :S]  # what the cache hands over
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # laid out as the projections make it
+    blocks = random_blocks(B, H, T, q_start, block, 3, S)
+    with torch.no_grad():
+        kb, apart = kernels.key_blocks(k, block, 0)
+        assert (kb.data_ptr() == k_buf.data_ptr()) == (S % block == 0)
+        assert torch.equal(kb[apart * 4 + 1], k[1, 1, block:2 * block])  # (batch 1, head 1)'s second block
+        ref = attention.block_attention(q, k.contiguous(), v.contiguous(), 0.3, q_start, 0, block, blocks)
+        assert rel(kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, 0, block, blocks), ref) < 1e-5
+        ref = attention.attention(q, k.contiguous(), v.contiguous(), 0.3, q_start, 0, window=5)
+        assert rel(kernels.BLOCKWISE.attention(q, k, v, 0.3, q_start, 0, window=5), ref) < 1e-5
+
+
 @pytest.mark.parametrize("span,tile", [(1, 1), (7, 3), (40, 4), (40, 64)])
 def test_block_attention_over_many_spans_and_tiles_equals_the_reference(monkeypatch, span, tile):
     """The blockwise form's loops over spans of tiles (one tile a span, a few, all in one) and
