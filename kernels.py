@@ -1631,10 +1631,14 @@ TOP_N_ELEMENTS = 1 << 18  # chunked_top_n: scores of one chunk of rows (its int6
 def chunked_top_n(scores, n):
     """attention.top_n a chunk of rows at a time (BLOCKWISE: the CPU's), so that each pass of
     `_top_n` over its int64 key stays in cache instead of streaming (T, J) tensors through
-    memory (nsa's and moba's block scores, T x T / block per head)."""
+    memory (nsa's and moba's block scores, T x T / block per head). Where `_top_n` takes the
+    float scores' top-k (`_top_n_of_floats`: n <= TOP_N_OF_FLOATS), no key of the rows is
+    built and torch's top-k goes row by row: all the rows in one call (nsa's prefill at T =
+    32768 cut its choice's 393k rows into 1536 calls of ~15 ops each)."""
     flat = scores.reshape(-1, scores.shape[-1])
     step = max(1, TOP_N_ELEMENTS // max(1, flat.shape[-1]))
-    if step >= flat.shape[0]:
+    floats = n < flat.shape[-1] and n <= TOP_N_OF_FLOATS and flat.numel() >= TOP_N_NARROWED_CALL
+    if step >= flat.shape[0] or floats:
         return _top_n(scores, n, narrow=True)
     return torch.cat([_top_n(flat[r:r + step], n, narrow=True)
                       for r in range(0, flat.shape[0], step)]).view(*scores.shape[:-1], n)
