@@ -1170,13 +1170,12 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     §4.1: n counts 3 forced blocks, "the 1 initial block and 2 local blocks": block 0, the
     query's own and the one before ([xl], [fla]); the rest the best of its blocks j block <= t."""
     B, H, T, J = scores.shape
-    if H > n_kv_head:  # eq. 10: one choice per key head (without GQA, each head's own scores)
-        scores = scores.view(B, n_kv_head, H // n_kv_head, T, J).sum(2)
+    scores = scores.view(B, n_kv_head, H // n_kv_head, T, J).sum(2) if H > n_kv_head else scores  # eq. 10
     own = torch.arange(q_start, q_start + T, device=scores.device)[:, None] // block  # (T, 1)
     j = torch.arange(J, device=scores.device)
     valid = j <= own
     forced = valid & ((j == 0) | (j == own) | (j == own - 1))
-    return expand_kv(top_blocks(scores, valid, forced, n, select, owned=True), H)
+    return expand_kv(top_blocks(scores, valid, forced, n, select, owned=H > n_kv_head), H)  # a sum is ours to mask
 
 
 class NativeSparseAttention(CausalSelfAttention):

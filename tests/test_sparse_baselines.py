@@ -672,3 +672,14 @@ def test_top_blocks_masks_a_copy_unless_the_scores_are_its_own():
     assert torch.equal(scores, kept)
     assert torch.equal(attention.top_blocks(scores, valid, forced, 3, owned=True), chosen)
     assert not torch.equal(scores, kept) and torch.isinf(scores[..., ~valid]).all()
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2)])
+def test_nsa_top_blocks_leaves_the_callers_scores_as_they_were(H, Hkv):
+    """nsa_top_blocks masks in place only the per-key-head sums it makes (eq. 10, GQA): without
+    GQA the scores it is handed are the caller's, and stay as they were."""
+    scores = torch.randn(2, H, 40, 5, generator=torch.Generator().manual_seed(H + Hkv))
+    kept = scores.clone()
+    blocks = attention.nsa_top_blocks(scores, 0, 8, 3, Hkv)
+    assert torch.equal(scores, kept)
+    assert torch.equal(blocks, attention.nsa_top_blocks(kept.clone(), 0, 8, 3, Hkv))
