@@ -948,11 +948,12 @@ def key_blocks(x, block, before):
     taken): in an nsa prefill at T = 32768 (12 heads) the keys' and values' copies were 200 MB
     of fresh memory a layer; otherwise (B H nb, block, D) copied, apart = nb."""
     B, H, S, D = x.shape
+    step = x.stride(1) if H > 1 else x.stride(0)  # elements from one (batch, head)'s keys to the next's
     view = (before == 0 and S % block == 0 and x.stride(-1) == 1 and x.stride(-2) == D
-            and x.stride(1) % (block * D) == 0 and (B == 1 or x.stride(0) == H * x.stride(1))
+            and step % (block * D) == 0 and (B == 1 or x.stride(0) == H * step)
             and not (torch.is_grad_enabled() and x.requires_grad))
     if view:
-        apart = x.stride(1) // (block * D) if H > 1 else S // block
+        apart = step // (block * D) if B * H > 1 else S // block
         return x.as_strided(((B * H - 1) * apart + S // block, block, D), (block * D, D, 1)), apart
     # padded only where the keys do not start at a block (F.pad copies even a pad of 0)
     xb = to_blocks(F.pad(x, (0, 0, before, 0)) if before else x, block)

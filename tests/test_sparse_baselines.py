@@ -474,14 +474,14 @@ def test_block_attention_fast_paths_equal_the_reference(T, q_start, k_start, blo
     assert rel(flex, ref) < 1e-5
 
 
-@pytest.mark.parametrize("S,q_start", [(64, 0), (64, 40), (60, 40)])
-def test_block_and_window_attention_read_a_caches_keys_in_place(S, q_start):
+@pytest.mark.parametrize("S,q_start,H", [(64, 0, 3), (64, 40, 3), (60, 40, 3), (64, 40, 1)])
+def test_block_and_window_attention_read_a_caches_keys_in_place(S, q_start, H):
     """Without GQA, keys and values that are views of a KV cache's buffers (each head's rows
     contiguous, the buffer's spare capacity between the heads, 2 batch rows): the selected
     branch reads their blocks in place where the keys fill whole blocks (no copy: the blocks
     share the buffer's memory) and copies them otherwise, and both it and the window branch
     equal the reference, whose inputs are contiguous copies."""
-    B, H, D, block, cap = 2, 3, 8, 8, 96
+    B, D, block, cap = 2, 8, 8, 96
     T = S - q_start
     g = torch.Generator().manual_seed(S + q_start)
     k_buf, v_buf = (torch.randn(B, H, cap, D, generator=g) for _ in range(2))
@@ -491,7 +491,7 @@ def test_block_and_window_attention_read_a_caches_keys_in_place(S, q_start):
     with torch.no_grad():
         kb, apart = kernels.key_blocks(k, block, 0)
         assert (kb.data_ptr() == k_buf.data_ptr()) == (S % block == 0)
-        assert torch.equal(kb[apart * 4 + 1], k[1, 1, block:2 * block])  # (batch 1, head 1)'s second block
+        assert torch.equal(kb[apart * (H + H // 2) + 1], k[1, H // 2, block:2 * block])  # batch 1's middle head's 2nd
         ref = attention.block_attention(q, k.contiguous(), v.contiguous(), 0.3, q_start, 0, block, blocks)
         assert rel(kernels.BLOCKWISE.block_attention(q, k, v, 0.3, q_start, 0, block, blocks), ref) < 1e-5
         ref = attention.attention(q, k.contiguous(), v.contiguous(), 0.3, q_start, 0, window=5)
