@@ -994,32 +994,31 @@ def blockwise_attention(q, k, v, scale, q_start, k_start, window=None, window_fr
         off = key_offset(q, k, q_start, k_start)
         B, H, T, D = q.shape
         q, k, v = _float32(_scaled(q, scale), _heads(k, H), _heads(v, H))
-        scale = 1.0
         # queries before window_from see every earlier key (dsa's adaptive window)
         split = T if window is None else min(T, max(0, window_from - q_start))
         parts = []
         if split > 0:
             parts.append(_banded(q[:, :, :split], k[:, :, :off + split], v[:, :, :off + split],
-                                 off, None, scale, bias, 0))
+                                 off, None, bias, 0))
         if 0 < split < T and off == 0 and bias is None:
             # the band of every query, the first split's outputs dropped: without keys before the
             # first query a band's blocks may span heads (`Band.chunks`); the later queries alone
             # start at a real key, and their bands went one head at a time (dsa's CPU training
             # step at train.py's preset: 0.74x `full`'s, its bands' 512 per-head chunks 190 of its
             # 445 ms under torch.profiler; 0.90x in one pass)
-            parts.append(_banded(q, k, v, off, window, scale, bias, 0)[:, :, split:])
+            parts.append(_banded(q, k, v, off, window, bias, 0)[:, :, split:])
         elif split < T:
-            parts.append(_banded(q[:, :, split:], k, v, off + split, window, scale, bias, split))
+            parts.append(_banded(q[:, :, split:], k, v, off + split, window, bias, split))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
-def _banded(q, k, v, off, window, scale, bias, t0):
-    """Causal (window None) or windowed attention of q (queries t0 .. of the caller) with an
-    optional bias(b, h, t, dist), evaluated on the band's geometry."""
+def _banded(q, k, v, off, window, bias, t0):
+    """Causal (window None) or windowed attention of q, already scaled (queries t0 .. of the
+    caller), with an optional bias(b, h, t, dist), evaluated on the band's geometry."""
     B, H, T, D = q.shape
     if window is None or window >= off + T - 1:
         if bias is None:
-            return causal_attention(q, k, v, off, scale)
+            return causal_attention(q, k, v, off, 1.0)
         window = off + T - 1  # a band holding every causal key
     band = Band(B * H, T, k.shape[2], off, window, q.device)
     bias_BnbBqL = None
@@ -1029,7 +1028,6 @@ def _banded(q, k, v, off, window, scale, bias, t0):
         t = (torch.arange(band.Tp, device=q.device).clamp(max=T - 1) + t0).view(1, 1, band.nb, band.Bq, 1)
         # padded query rows reuse row T-1; rows of the bias: per batch row or per (b, h)
         bias_BnbBqL = band.mask_bias() + bias(b, h, t, band.dist).float().flatten(0, 1)
-    q = q if scale == 1.0 else q * scale  # blockwise_attention's q comes scaled
     out = BandAttention.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias_BnbBqL, band)
     return out.view(B, H, T, D)
 
@@ -1525,7 +1523,7 @@ def _top_n(scores, n, narrow=False, maxima=False):
     distinct: it holds its index), in place of the top-k."""
     S = scores.shape[-1]
     narrow = narrow and not torch.compiler.is_compiling() and scores.device.type == "cpu"
-    if narrow and n < S and n <= TOP_N_OF_FLOATS and scores.numel() >= TOP_N_NARROWED_CALL:
+    if narrow and _floats_top_k(scores, n):
         return _top_n_of_floats(scores, n)
     if narrow and S >= TOP_N_NARROWED * n and scores.numel() >= TOP_N_NARROWED_CALL:
         return _top_n_narrowed(scores, n)
@@ -1535,6 +1533,13 @@ def _top_n(scores, n, narrow=False, maxima=False):
         return _top_n_by_maxima(scores, n)
     top = _order_key(scores).topk(n, dim=-1).indices
     return top.masked_fill(scores.gather(-1, top) == NEG_INF, -1)
+
+
+def _floats_top_k(scores, n):
+    """Whether `_top_n(narrow=True)` takes the float scores' top-k (`_top_n_of_floats`): on a CPU,
+    outside a compiled step, n below the row's length and at most TOP_N_OF_FLOATS."""
+    return (not torch.compiler.is_compiling() and scores.device.type == "cpu" and n < scores.shape[-1]
+            and n <= TOP_N_OF_FLOATS and scores.numel() >= TOP_N_NARROWED_CALL)
 
 
 def _order_key(scores):
@@ -1638,8 +1643,7 @@ def chunked_top_n(scores, n):
     32768 cut its choice's 393k rows into 1536 calls of ~15 ops each)."""
     flat = scores.reshape(-1, scores.shape[-1])
     step = max(1, TOP_N_ELEMENTS // max(1, flat.shape[-1]))
-    floats = n < flat.shape[-1] and n <= TOP_N_OF_FLOATS and flat.numel() >= TOP_N_NARROWED_CALL
-    if step >= flat.shape[0] or floats:
+    if step >= flat.shape[0] or _floats_top_k(flat, n):
         return _top_n(scores, n, narrow=True)
     return torch.cat([_top_n(flat[r:r + step], n, narrow=True)
                       for r in range(0, flat.shape[0], step)]).view(*scores.shape[:-1], n)
