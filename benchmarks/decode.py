@@ -15,7 +15,10 @@ on a CPU (bf16 autocast on CUDA), the embedding and head at a 256-id vocabulary 
 that what a step reads is the layers and their caches. One thread by default (--threads).
 On a CPU, THP_MEM_ALLOC_ENABLE=1 in the environment (PyTorch's CPU allocator then puts every
 tensor of 2 MB or more on transparent huge pages) spares a long prefill's large temporaries
-their 4 KB page faults; the settings record it when it is set (docs/performance.md).
+their 4 KB page faults; the settings record it when it is set (docs/performance.md). And on a
+CPU the C allocator keeps the memory the process frees (`keep_freed_memory`; --malloc=system
+leaves it as it is; the settings say which), as a GPU's caching allocator does: otherwise
+each large temporary of a prefill is fresh memory faulted in again, untimed prefill or not.
 
 What is printed, per variant and T:
 - prefill: seconds for the T-token prompt (one run, after one untimed prefill of the same
@@ -72,6 +75,7 @@ measured; a rerun keeps the rows already there for the same settings (--fresh: m
 """
 import argparse
 import copy
+import ctypes
 import glob
 import json
 import math
@@ -127,6 +131,31 @@ def definition_reads(module, S, elem):
     if name == "caa":  # every key to rank them; the values of the local window and the top k
         return elem * (Hkv * D * S + Hkv * D * (min(S, cfg.caa_window_max + 1) + math.isqrt(S - 1) + 1))
     return elem * kv * S  # full, asga (its gate reads every key)
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory():
+    """Make this process's C allocator keep the memory it frees, for the next allocation, where
+    it is glibc's: no large block from its own mmap (M_MMAP_MAX 0), and the heap's free top
+    handed back to the system only past 2 GB (M_TRIM_THRESHOLD). Returns whether it could.
+    Why: PyTorch's CPU allocator caches nothing, and glibc serves every block over 32 MB (less,
+    by default) from an mmap of its own, unmapped when freed, so each large temporary of a
+    prefill is fresh memory, faulted in page by page at its first touch, every time: the
+    untimed prefill before the timed one touched memory the timed one did not get back. On a
+    VM those faults cost the host too (this project's CI machine: up to ~3 ms a MB). One layer
+    of nsa at T = 32768 (qwen-134m widths, Intel Xeon host), the second of two prefills in a
+    process: 12.4 s, its selected branch 2.97 s; kept, 10.5 s and 1.92 s; `full`'s 19.0 s and
+    17.7 s. A variant paid by the temporaries it makes, not by its work: a GPU's caching
+    allocator, and the jemalloc or tcmalloc that PyTorch's CPU tuning guide preloads, reuse
+    them too. `--malloc=system` leaves glibc as it is."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without it): as it is
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def host(device):
@@ -373,6 +402,9 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="decoding steps through model.compile_decoding (caches of fixed capacity; untimed warm-up "
                         "steps take its graphs)")
+    p.add_argument("--malloc", default="kept", choices=("kept", "system"),
+                   help="on a CPU, kept: the C allocator keeps freed memory for reuse (keep_freed_memory); "
+                        "system: as it is")
     args = p.parse_args(argv)
     if args.device == "cuda" and not cuda:
         sys.exit("decode.py: --device=cuda but torch.cuda.is_available() is False")
@@ -387,10 +419,11 @@ def main(argv=None):
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                         f"decode_{args.device}{'_compiled' if args.compile else ''}.json")
     torch.set_num_threads(args.threads)
+    malloc = "kept" if args.device == "cpu" and args.malloc == "kept" and keep_freed_memory() else "system"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
     settings = dict(device=args.device, batch=args.batch, steps=args.steps, rounds=args.rounds, layers=args.layers, vocab=args.vocab,
                     threads=args.threads, torch=torch.__version__, host=host(args.device),
-                    **({"compile": True} if args.compile else {}),
+                    **({"compile": True} if args.compile else {}), **({"malloc": malloc} if args.device == "cpu" else {}),
                     **({"thp_mem_alloc": os.environ[THP]} if THP in os.environ else {}))
     saved = {}
     if os.path.exists(args.out) and not args.fresh:

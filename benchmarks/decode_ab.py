@@ -18,7 +18,9 @@ the median of each checkout's N: one prefill a side falls wherever the machine's
 it (30% here), as decoding steps do. Each timed prefill follows an untimed one of the same
 prompt by the same model, as decode.py's does: a first prefill pays for touching its memory
 (on a VM that hands freed memory to its host, up to ~3 ms a MB) and compiles a checkout's
-helpers, so whichever checkout ran first paid more.
+helpers, so whichever checkout ran first paid more; and the C allocator keeps the memory
+the process frees, as decode.py's (`keep_freed_memory`; --malloc=system: not), or that touch
+would not carry over to the timed prefill.
 
 Each checkout takes one untimed step at each batch first (its kernels.GatheredDots compiles at
 its first call), as decode.py does. --compile: each checkout's steps through its own
@@ -35,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode import clock, decode_steps, warm_steps  # noqa: E402
+from decode import clock, decode_steps, keep_freed_memory, warm_steps  # noqa: E402
 from train_step_ab import load  # noqa: E402
 
 
@@ -116,8 +118,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="the checkouts' decoding steps taken in turns, this many rounds")
     p.add_argument("--compile", action="store_true", help="the steps through each checkout's model.compile_decoding")
     p.add_argument("--prefills", type=int, default=1, help="each checkout's prefill this many times, in turns (median)")
+    p.add_argument("--malloc", default="kept", choices=("kept", "system"),
+                   help="kept: the C allocator keeps freed memory for reuse (decode.keep_freed_memory); system: as it is")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    malloc = "kept" if args.malloc == "kept" and keep_freed_memory() else "system"
+    print(f"decode_ab.py: freed memory {'kept for reuse' if malloc == 'kept' else 'as the C allocator does'} "
+          f"(--malloc={args.malloc})", flush=True)
     trees = [c.split("=", 1) for c in args.checkouts]
     models = {label: load(label, root) for label, root in trees}
     variants = args.variants.split(",")

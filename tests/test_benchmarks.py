@@ -351,7 +351,9 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {(row["T"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(T, v) for T in (64, 128) for v in ("full", "local", "nsa")}
-    host = json.loads(out.read_text())["settings"]["host"]  # the machine, with the CPU kernels torch ran
+    settings = json.loads(out.read_text())["settings"]
+    host = settings["host"]  # the machine, with the CPU kernels torch ran
+    assert settings["malloc"] in ("kept", "system")  # kept where the C allocator is glibc's (keep_freed_memory)
     assert host.endswith(f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}") and " cores" in host, host
     D, H = 64, 12  # qwen-134m's heads
     assert rows[128, "full"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # every key and value, float32 (after the prefill)
@@ -393,11 +395,53 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     assert len(local["full_decode_ms"]) == 2 and "T=64 local" in third.stdout and "T=64 nsa" not in third.stdout
 
 
+FREED_MEMORY = """
+import resource, sys
+import torch
+import decode
+kept = decode.keep_freed_memory() if sys.argv[1] == "kept" else None
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+x = torch.ones(100 << 20, dtype=torch.uint8)  # 100 MB, touched
+held = resident()
+del x
+freed = resident()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+y = torch.ones(50 << 20, dtype=torch.uint8)  # half as much, touched: fits the freed block past any small
+# allocation carved from its start meanwhile (one of 100 MB may then go past it, to fresh memory)
+print(kept, held - freed, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+"""
+
+
+def test_decode_benchmark_keeps_the_memory_a_process_frees_for_its_next_allocation():
+    """decode.keep_freed_memory (decode.py and decode_ab.py call it on a CPU): a freed 100 MB
+    block stays in the process, resident, and the next one of that size reuses it without
+    faulting its pages in again; without it, glibc hands the block back to the system. What
+    makes the untimed prefill's touch of its temporaries carry over to the timed one (a reuse,
+    not a promise: a block freed in the heap serves the next request it fits)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/statm: Linux only")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    runs = {}
+    for how in ("kept", "system"):
+        r = subprocess.run([sys.executable, "-c", FREED_MEMORY, how], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[how] = r.stdout.split()
+    if runs["kept"][0] != "True":
+        pytest.skip("the C allocator here is not glibc's (no mallopt): keep_freed_memory leaves it as it is")
+    assert int(runs["system"][1]) > 90 << 20  # handed back when freed: the test can tell the two apart
+    assert int(runs["kept"][1]) < 10 << 20  # kept: still resident after the free
+    assert int(runs["kept"][2]) < 1000  # reused: not faulted in again (12800 pages of 4 KB if it were)
+
+
 def run_decode(decode, argv):
-    """benchmarks/decode.py's main in this process, torch's thread count restored after (it sets one)."""
+    """benchmarks/decode.py's main in this process, torch's thread count restored after (it sets one);
+    --malloc=system: the test process's C allocator left as it is."""
     threads = torch.get_num_threads()
     try:
-        decode.main(argv)
+        decode.main(argv + ["--malloc=system"])
     finally:
         torch.set_num_threads(threads)
 
