@@ -1164,9 +1164,9 @@ def block_overlap(C, J, length, stride, block, device):
     return shared.float() / stride
 
 
-def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
+def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n, owned=False):
     """(B, H, T, n): the blocks each query reads ([NSA] eqs. 10-12), from its block scores
-    (B, H, T, J). Eq. 10: the query heads of a key head sum their scores and choose together.
+    (B, H, T, J; overwritten if `owned`). Eq. 10: the query heads of a key head sum their scores, choose together.
     §4.1: n counts 3 forced blocks, "the 1 initial block and 2 local blocks": block 0, the
     query's own and the one before ([xl], [fla]); the rest the best of its blocks j block <= t."""
     B, H, T, J = scores.shape
@@ -1175,7 +1175,7 @@ def nsa_top_blocks(scores, q_start, block, n, n_kv_head, select=top_n):
     j = torch.arange(J, device=scores.device)
     valid = j <= own
     forced = valid & ((j == 0) | (j == own) | (j == own - 1))
-    return expand_kv(top_blocks(scores, valid, forced, n, select, owned=H > n_kv_head), H)  # a sum is ours to mask
+    return expand_kv(top_blocks(scores, valid, forced, n, select, owned=owned or H > n_kv_head), H)  # a sum is ours
 
 
 class NativeSparseAttention(CausalSelfAttention):
@@ -1249,7 +1249,7 @@ class NativeSparseAttention(CausalSelfAttention):
         """Eqs. 10-12 on q's path: `nsa_top_blocks` with its sizes as keywords (a fast form may
         choose while it scores), called on block scores (B, H, T, J) and q_start."""
         return functools.partial(nsa_top_blocks, block=self.cfg.nsa_block, n=self.cfg.nsa_topk,
-                                 n_kv_head=self.n_kv_head, select=self.ops(q).top_n)
+                                 n_kv_head=self.n_kv_head, select=self.ops(q).top_n, owned=True)
 
     def branch_gates(self, x):
         """(3, B, H, T, 1): g_t^c = sigmoid(W_g x_t + b_g), branch-major: the 3 H outputs of W_g
