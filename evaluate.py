@@ -692,7 +692,7 @@ class HarnessLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.get("max_gen_toks", 256))
             ids = self.tok_encode(context)[-max(1, self.max_length - max_new):] or [self.tokenizer.separator]
-            cache, inputs, new = self.model.new_cache(), torch.tensor([ids], device=self.device), []
+            cache, inputs, new = self.model.new_cache(len(ids) + max_new), torch.tensor([ids], device=self.device), []
             text = ""
             for _ in range(max_new):
                 with self.autocast:

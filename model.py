@@ -352,8 +352,9 @@ class Rows:
     copied the whole cache every step). When the capacity runs out, the rows still held move
     to a new buffer of twice their size: a copy of each row at most once per that many rows
     written, so a step costs what it writes, amortised, and a window's cache, whose oldest
-    rows are dropped as it rolls, stays within twice the window (nanochat's KVCache and Hugging
-    Face's static cache preallocate the same way, for a known maximum length)."""
+    rows are dropped as it rolls, stays within twice the window. Given the length to come
+    (`capacity`), the first buffer holds that many rows and no more, as nanochat's KVCache and
+    Hugging Face's static cache preallocate for a known maximum length."""
 
     def __init__(self, keys_last=False, capacity=0):
         self.data = None  # (..., capacity, X)
@@ -390,12 +391,19 @@ class Rows:
         # or not) does not change with the step, which a compiled step would guard on
         if self.data is None or self.hi + n >= self.data.shape[-2]:
             held = self.view()
-            data = self._zeros(x, max(2 * (len(self) + n), self.capacity if held is None else 0))
+            data = self._zeros(x, self._size(len(self) + n, first=held is None))
             if held is not None:
                 data[..., :len(self), :] = held
             self.data, self.lo, self.hi = data, 0, len(self)
         self.data[..., self.hi:self.hi + n, :] = x
         self.hi += n
+
+    def _size(self, rows, first):
+        """Rows of a new buffer that must hold `rows`: the first buffer `capacity` where that holds
+        them and a spare (the positions the caller said are coming: a prompt and the tokens to
+        generate, no more), else twice `rows`. A first buffer of twice the prompt whatever the
+        capacity held a 32768-token prompt's keys and values in 65536 rows."""
+        return self.capacity if first and self.capacity > rows else 2 * rows
 
     def view(self):
         """(..., end - start, X): the rows held, a view (no copy)."""
@@ -412,7 +420,7 @@ class Rows:
         """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
         if self.data is not None:
             held = self.view().repeat_interleave(n, dim=0)
-            self.data = self._zeros(held, max(2 * held.shape[-2], self.capacity))
+            self.data = self._zeros(held, self._size(held.shape[-2], first=True))
             self.data[..., :held.shape[-2], :] = held
             self.lo, self.hi = 0, held.shape[-2]
 

@@ -100,8 +100,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
     sequence for every token (the reference the cache must match). `on_step(cache)`, when
     given, is called after every forward pass (cache is None without one): tests check the
     rolling cache's size there. `step`, when given (model.compile_decoding's), runs the
-    one-token steps after the prompt; the cache then holds the whole sequence without growing."""
-    cache = model.new_cache(idx.shape[1] + max_new_tokens if step else 0) if use_cache else None
+    one-token steps after the prompt. The cache is made for the prompt and the tokens to come:
+    allocated once, at that size, it never grows (a growth is a graph of its own for `step`),
+    and holds no more (grown from the prompt, it held twice the prompt)."""
+    cache = model.new_cache(idx.shape[1] + max_new_tokens) if use_cache else None
     inputs = idx
     for i in range(max_new_tokens):
         if step is not None and use_cache and i:

@@ -64,7 +64,7 @@ What is printed, per variant and T:
   (benchmarks/gpu_runs/h200_2026-11-28b.md: `full`'s 2-layer step 2.4-2.7 ms at any cache).
 
 --compile: each model's one-token steps through `model.compile_decoding` (torch.compile,
-dynamic shapes; caa stays eager, said in its row), its caches made with a fixed capacity, and
+dynamic shapes; caa stays eager, said in its row), and
 untimed warm-up steps at each batch before the timed ones (`warm_steps`), which take the
 step's graphs; `full` beside compiled alike. Its rows go to decode_<device>_compiled.json.
 
@@ -302,8 +302,9 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     # at its first call (seconds, once a process: a row's spread showed it, or not, by which
     # variants had run before it)
     warm = warm_steps(model) if args.compile else 1
-    # compiled: buffers that hold every step without growing (a growth is a graph of its own)
-    capacity = T + 2 * (warm + args.steps + args.rounds) + 2 if args.compile else 0  # + each turn's untimed step
+    # the cache made for the prompt and every step, as sample.generate makes it: allocated once at
+    # that size, it never grows (compiled, a growth would be a graph of its own)
+    capacity = T + 2 * (warm + args.steps + args.rounds) + 2  # + each turn's untimed step
     with torch.no_grad(), autocast:
         model(idx, cache=model.new_cache())  # untimed: compiles, and touches the prefill's memory (above)
         cache = model.new_cache(capacity)

@@ -834,6 +834,32 @@ def test_a_cache_of_fixed_capacity_never_grows():
     assert len(after) == len(buffers) and all(a is b for a, b in zip(after, buffers))
 
 
+@pytest.mark.parametrize("name", ["full", "nsa", "moba", "combiner", "indexer"])
+def test_a_cache_of_known_capacity_allocates_that_and_no_more(name):
+    """new_cache(capacity) filled by a prompt of most of it (a long prompt, a few tokens to
+    generate): its keys and values take capacity + 1 rows (a spare), its summaries the windows
+    of capacity positions and a spare, each buffer allocated once, not twice the prompt, then
+    the steps up to capacity fill them in place; one more position grows them (to twice what they
+    hold: combiner keeps its last block's keys only)."""
+    model = tiny(name)
+    capacity, prompt = 150, 140
+    idx = torch.randint(0, 64, (1, capacity + 1), generator=torch.Generator().manual_seed(2))
+    length, stride = model.layers[0].self_attn.summary_window() or (1, 1)
+    with torch.no_grad():
+        cache = model.new_cache(capacity)
+        model(idx[:, :prompt], cache=cache)
+        layer = cache[0]
+        assert [rows.data.shape[-2] for rows in (layer.k, layer.v)] == [capacity + 1] * 2
+        for rows in layer.summaries or ():
+            assert rows.data.shape[-2] == capacity // stride + 2
+        buffers = [rows.data for rows in layer.rows()]
+        for t in range(prompt, capacity):
+            model(idx[:, t:t + 1], cache=cache)
+        assert all(a is b for a, b in zip((rows.data for rows in layer.rows()), buffers))
+        model(idx[:, capacity:], cache=cache)
+        assert layer.k.data is not buffers[0] and layer.k.data.shape[-2] == 2 * len(layer.k)  # twice what it holds
+
+
 def test_each_compiled_model_keeps_its_own_graphs(monkeypatch):
     """Three models compiled in one process, the limit at 2 graphs a step: each step counts
     its own graphs (a code object of its own), where through Model.forward's the third model

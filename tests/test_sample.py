@@ -98,6 +98,17 @@ def test_compiled_decoding_steps_give_the_eager_tokens(name):
     assert torch.equal(compiled, sample.generate(m, prompt, NEW, temperature=0))
 
 
+def test_generation_allocates_its_cache_once_for_the_prompt_and_the_new_tokens():
+    """sample.generate makes the cache for the prompt and the tokens to come: every layer's
+    keys take PROMPT + NEW + 1 rows (a spare) from the prompt on and never move, where a cache
+    grown from a longer prompt held twice it."""
+    m = tiny_model(seed=3, attn="full")
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    buffers = []
+    sample.generate(m, prompt, 5, temperature=0, on_step=lambda cache: buffers.append(cache[0].k.data))
+    assert [b.shape[-2] for b in buffers] == [40 + 5 + 1] * 5 and all(b is buffers[0] for b in buffers)
+
+
 def test_sampling_respects_seed_top_k_and_temperature():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0, 2.9]]).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
