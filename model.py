@@ -390,11 +390,7 @@ class Rows:
         # a spare row always: a view never spans the whole buffer, so its layout (contiguous
         # or not) does not change with the step, which a compiled step would guard on
         if self.data is None or self.hi + n >= self.data.shape[-2]:
-            held = self.view()
-            data = self._zeros(x, self._size(len(self) + n, first=held is None))
-            if held is not None:
-                data[..., :len(self), :] = held
-            self.data, self.lo, self.hi = data, 0, len(self)
+            self._move(self._size(len(self) + n, first=self.data is None), x)
         self.data[..., self.hi:self.hi + n, :] = x
         self.hi += n
 
@@ -405,16 +401,31 @@ class Rows:
         capacity held a 32768-token prompt's keys and values in 65536 rows."""
         return self.capacity if first and self.capacity > rows else 2 * rows
 
+    def _move(self, rows, like):
+        """The rows held moved to the front of a new buffer of `rows` rows (zeros past them)."""
+        held = self.view()
+        data = self._zeros(like, rows)
+        if held is not None:
+            data[..., :len(self), :] = held
+        self.data, self.lo, self.hi = data, 0, len(self)
+
     def view(self):
         """(..., end - start, X): the rows held, a view (no copy)."""
         return None if self.data is None else self.data[..., self.lo:self.hi, :]
 
-    def drop_before(self, position):
-        """Forget the rows of positions < position (none are copied); past the last row held,
-        the next row appended is then that position's."""
+    def drop_before(self, position, free=False):
+        """Forget the rows of positions < position; past the last row held, the next row
+        appended is then that position's. Nothing moves, unless `free` (after a prompt) and
+        more rows were dropped than are held (a window keeps a long prompt's last keys): then
+        the rows held move to a buffer without the dropped ones, as large as the rows held and
+        the positions still to come in this one (with a capacity; else twice the rows held).
+        A 32768-token prompt kept local's 256 keys in 32768 rows. A one-token step's drop moves
+        nothing: its buffer stays put, as a compiled step's graph needs."""
         drop = min(max(0, position - self.start), len(self))
         self.lo += drop
         self.start = max(self.start + drop, position)
+        if free and self.lo > len(self):
+            self._move(self.data.shape[-2] - self.lo if self.capacity else 2 * len(self), self.data)
 
     def repeat_batch(self, n):
         """Each batch row repeated n times (a benchmark fills a cache at batch 1, then reads it at batch n)."""
@@ -427,6 +438,9 @@ class Rows:
     def nbytes(self):
         held = self.view()
         return 0 if held is None else held.numel() * held.element_size()
+
+    def allocated(self):
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
 
 def _pending_span(rows, now, new, first, last):
@@ -448,16 +462,18 @@ class KVCache:
 
     After each step the attention layer trims what no later query can see
     (`oldest_key_needed`), so windowed variants keep a rolling cache of at most `window` keys
-    between steps (window + 1 while a query attends)."""
+    between steps (window + 1 while a query attends), in a buffer of those and the positions
+    still to come once a prompt's trim has freed the rest."""
 
     def __init__(self, capacity=0):
         """capacity: the positions its buffers hold before they first grow (0: twice the first
         append's): the prompt plus the tokens to generate, for a compiled step
         (`compile_decoding`), whose graph a growth would branch."""
         self.capacity = capacity
-        self.k, self.v = Rows(capacity=capacity + 1), Rows(capacity=capacity + 1)
+        self.k, self.v = (Rows(capacity=capacity + 1 if capacity else 0) for _ in range(2))  # a spare row
         self.summaries = None  # a Rows per summary tensor, one row per window, from window 0
         self.pending = None  # Rows of q (B, H, ., D) and x (B, ., C) from the first incomplete window on
+        self.prompt = False  # whether the last update wrote several positions (`trim` then frees rows)
 
     @property
     def start(self):
@@ -489,6 +505,7 @@ class KVCache:
             self.k.keys_last, self.v.keys_last = layer.keys_last_kv
         self.k.append(k)
         self.v.append(v)
+        self.prompt = k.shape[-2] > 1
         window = layer.summary_window()
         summary = None
         if window is not None:
@@ -529,8 +546,10 @@ class KVCache:
         return views if len(views) > 1 else views[0]
 
     def trim(self, oldest):
-        self.k.drop_before(oldest)
-        self.v.drop_before(oldest)
+        """Forget the keys and values before position `oldest`; after a prompt (an update of
+        several positions), free the rows they took (`Rows.drop_before`)."""
+        self.k.drop_before(oldest, free=self.prompt)
+        self.v.drop_before(oldest, free=self.prompt)
 
     def repeat_batch(self, n):
         """Every batch row repeated n times, in every tensor held (benchmarks/decode.py fills a
@@ -541,6 +560,10 @@ class KVCache:
     def nbytes(self):
         """Bytes held: keys, values, summaries and the pending windows' inputs."""
         return sum(rows.nbytes() for rows in self.rows())
+
+    def allocated(self):
+        """Bytes of the buffers those lie in (`nbytes` and the spare rows)."""
+        return sum(rows.allocated() for rows in self.rows())
 
     def rows(self):
         return [self.k, self.v, *(self.summaries or ()), *(self.pending or ())]

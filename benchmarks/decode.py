@@ -48,7 +48,9 @@ What is printed, per variant and T:
 - the settings line (and the JSON's settings): the machine (`host`: CPU model, cores,
   last-level cache, torch's CPU kernels; or the GPU), since the goals' floors move with it.
 - cache: the KV cache's bytes per layer after the prefill at batch 1 (model.KVCache.nbytes:
-  keys, values, summaries, and the inputs of the windows not yet summarised).
+  keys, values, summaries, and the inputs of the windows not yet summarised), and in
+  brackets the bytes of the buffers they lie in (`allocated`: with the rows kept for the
+  steps to come; the cache made as sample.generate makes it, for the prompt and the steps).
 - read: what a step's definition reads per layer at batch 1 (`definition_reads`, MB), and x
   bound: the batch-1 step over the time to read once the model's weights and every layer's
   definition reads, at the read bandwidth measured right after that row's steps (the faster
@@ -311,7 +313,7 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
         t0 = clock(args.device)
         model(idx, cache=cache)
         prefill = clock(args.device) - t0
-        nbytes = cache[0].nbytes()
+        nbytes, allocated = cache[0].nbytes(), cache[0].allocated()
         decode_steps(step, cache, 1, warm, args.device)
         ops = step_ops(model, cache, args.device)  # eager, untimed: a step's ops (launches, on a GPU)
         one, full_one = turns(step, cache, beside, 1, args)
@@ -323,7 +325,8 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     elem = 2 if args.device == "cuda" else 4
     reads = definition_reads(model.layers[0].self_attn, T + args.steps, elem)
     weights = sum(p.numel() * elem for p in model.parameters())
-    row = dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes, step=how,
+    row = dict(variant=attn, T=T, prefill_s=prefill, cache_bytes_per_layer=nbytes,
+               cache_allocated_bytes_per_layer=allocated, step=how,
                decode_ms=[1e3 * t for t in one], decode_batch_ms=[1e3 * t for t in many],
                reads_per_layer=reads, weight_bytes=weights, ops_per_step=ops,
                read_bandwidth=read_bandwidth(max(weights + args.layers * reads, BANDWIDTH_BYTES), args.device))
@@ -355,11 +358,18 @@ def spread(ms):
     return f"{min(ms):.1f}-{max(ms):.1f}"
 
 
+def cache_mb(row):
+    """The cache's MB a layer, held (allocated), for a row that has both."""
+    held = f"{row['cache_bytes_per_layer'] / MB:.1f}"
+    allocated = row.get("cache_allocated_bytes_per_layer")
+    return held if allocated is None else f"{held} ({allocated / MB:.1f})"
+
+
 def table(rows, args, bandwidth):
     """The Markdown table of `rows`, each relative to full's at the same T."""
     by = {(r["T"], r["variant"]): r for r in rows}
     out = [f"| variant | T | prefill s | x full | decode ms, batch 1 (spread) | x full | decode ms, batch "
-           f"{args.batch} (spread) | x full | cache MB/layer | reads MB/layer | x bound | ops a step (eager) |",
+           f"{args.batch} (spread) | x full | cache MB/layer (allocated) | reads MB/layer | x bound | ops a step (eager) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in args.lengths:
         base = by.get((T, "full"))
@@ -380,7 +390,7 @@ def table(rows, args, bandwidth):
             out.append(f"| {name} | {T} | {r['prefill_s']:.3g} | {rel(r['prefill_s'], 'prefill_s', lambda x: x)} "
                        f"| {one:.1f} ({spread(r['decode_ms'])}) | {rel(one, 'decode_ms')} "
                        f"| {many:.1f} ({spread(r['decode_batch_ms'])}) | {rel(many, 'decode_batch_ms')} "
-                       f"| {r['cache_bytes_per_layer'] / MB:.1f} | {r['reads_per_layer'] / MB:.2f} "
+                       f"| {cache_mb(r)} | {r['reads_per_layer'] / MB:.2f} "
                        f"| {one / bound_ms:.2f} | {r.get('ops_per_step', '-')} |")
     return "\n".join(out)
 

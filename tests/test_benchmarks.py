@@ -341,7 +341,8 @@ def test_gpu_check_profile_times_the_compiled_core(monkeypatch):
 def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     """benchmarks/decode.py at two short lengths: one row per variant and T with the prefill
     and the decoding steps at both batches, full's ratio 1 and each ratio its median over
-    full's, and an eager step's ops; the cache's bytes are what KVCache.nbytes says (local's window, full's every key);
+    full's, and an eager step's ops; the cache's bytes are what KVCache.nbytes says (local's window, full's every key),
+    its buffers' the prompt's and the steps' rows;
     a rerun keeps the saved rows, and a length whose extrapolated prefill exceeds --budget is
     skipped with the reason printed."""
     out = tmp_path / "decode.json"
@@ -358,6 +359,9 @@ def test_decode_benchmark_rows_ratios_and_resume(tmp_path):
     D, H = 64, 12  # qwen-134m's heads
     assert rows[128, "full"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # every key and value, float32 (after the prefill)
     assert rows[128, "local"]["cache_bytes_per_layer"] == 2 * H * D * 4 * 128  # the window (256) holds them all
+    # the buffers, made for the prompt and the steps as sample.generate makes them: not twice the prompt
+    held, allocated = rows[128, "full"]["cache_bytes_per_layer"], rows[128, "full"]["cache_allocated_bytes_per_layer"]
+    assert held < allocated < 1.5 * held
     assert all(len(row["decode_ms"]) == len(row["decode_batch_ms"]) == 2 for row in rows.values())
     line = next(x for x in r.stdout.splitlines() if x.startswith("| nsa | 128 |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]

@@ -139,10 +139,10 @@ def test_the_cache_is_written_in_place():
             sizes.add(cache[0].k.data.shape[-2])
     W = SIZES["window"]
     assert len(cache[0]) == W
-    # 200 steps, a new buffer at most once per W steps: the prefill's (200 rows) ran out once,
-    # then buffers of 2 (W + 1) rows, each moved after W + 1 more steps
+    # 200 steps, a new buffer at most once per W steps: the prompt's trim left its W keys in
+    # 2 W rows, which ran out once, then buffers of 2 (W + 1) rows, each moved after W + 1 more steps
     assert moved <= 200 // W + 1, moved
-    assert sizes <= {2 * 100, 2 * (W + 1)}, sizes
+    assert sizes <= {2 * W, 2 * (W + 1)}, sizes
 
 
 def test_a_step_computes_no_rope_tables(monkeypatch):
@@ -834,13 +834,13 @@ def test_a_cache_of_fixed_capacity_never_grows():
     assert len(after) == len(buffers) and all(a is b for a, b in zip(after, buffers))
 
 
-@pytest.mark.parametrize("name", ["full", "nsa", "moba", "combiner", "indexer"])
+@pytest.mark.parametrize("name", ["full", "nsa", "moba", "indexer"])
 def test_a_cache_of_known_capacity_allocates_that_and_no_more(name):
     """new_cache(capacity) filled by a prompt of most of it (a long prompt, a few tokens to
     generate): its keys and values take capacity + 1 rows (a spare), its summaries the windows
     of capacity positions and a spare, each buffer allocated once, not twice the prompt, then
     the steps up to capacity fill them in place; one more position grows them (to twice what they
-    hold: combiner keeps its last block's keys only)."""
+    hold). (A window's cache after a prompt: the test below.)"""
     model = tiny(name)
     capacity, prompt = 150, 140
     idx = torch.randint(0, 64, (1, capacity + 1), generator=torch.Generator().manual_seed(2))
@@ -858,6 +858,31 @@ def test_a_cache_of_known_capacity_allocates_that_and_no_more(name):
         assert all(a is b for a, b in zip((rows.data for rows in layer.rows()), buffers))
         model(idx[:, capacity:], cache=cache)
         assert layer.k.data is not buffers[0] and layer.k.data.shape[-2] == 2 * len(layer.k)  # twice what it holds
+
+
+@pytest.mark.parametrize("capacity", [0, 150])
+@pytest.mark.parametrize("name, flags", [("local", {}), ("dsa", dict(dsa_window="fixed")), ("combiner", {})])
+def test_a_window_keeps_its_last_keys_in_a_buffer_of_their_size_after_a_prompt(name, flags, capacity):
+    """A prompt far longer than the window: after it, the keys and values the window keeps sit
+    in a buffer of their size and the positions still to come (capacity - prompt; without a
+    capacity, twice the rows kept), not in the prompt's rows; then the steps up to capacity
+    write into it in place, and the logits equal the uncached forward's."""
+    model = tiny(name, **flags)
+    prompt = 140
+    idx = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = model.new_cache(capacity)
+        logits = [model(idx[:, :prompt], cache=cache)[0]]
+        layer = cache[0]
+        kept = len(layer)
+        assert 0 < kept < prompt // 4
+        want = kept + capacity - prompt + 1 if capacity else 2 * kept
+        assert [rows.data.shape[-2] for rows in (layer.k, layer.v)] == [want] * 2
+        buffers = [layer.k.data, layer.v.data]
+        logits += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(prompt, 150)]
+    assert capacity == 0 or all(a is b for a, b in zip((layer.k.data, layer.v.data), buffers))
+    assert (torch.cat(logits, 1) - full).abs().max() < 1e-4 * full.abs().max()
 
 
 def test_each_compiled_model_keeps_its_own_graphs(monkeypatch):
