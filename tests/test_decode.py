@@ -861,7 +861,8 @@ def test_a_cache_of_known_capacity_allocates_that_and_no_more(name):
 
 
 @pytest.mark.parametrize("capacity", [0, 150])
-@pytest.mark.parametrize("name, flags", [("local", {}), ("dsa", dict(dsa_window="fixed")), ("combiner", {})])
+@pytest.mark.parametrize("name, flags", [("local", {}), ("dsa", dict(dsa_window="fixed")), ("combiner", {}),
+                                         ("asga", dict(asga_gate="fixed"))])  # asga's cache lies along the keys
 def test_a_window_keeps_its_last_keys_in_a_buffer_of_their_size_after_a_prompt(name, flags, capacity):
     """A prompt far longer than the window: after it, the keys and values the window keeps sit
     in a buffer of their size and the positions still to come (capacity - prompt; without a
