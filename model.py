@@ -467,8 +467,9 @@ class KVCache:
 
     def __init__(self, capacity=0):
         """capacity: the positions its buffers hold before they first grow (0: twice the first
-        append's): the prompt plus the tokens to generate, for a compiled step
-        (`compile_decoding`), whose graph a growth would branch."""
+        append's): the prompt plus the tokens to generate, as sample.generate gives it, so the
+        buffers are allocated once at that size (and a compiled step, `compile_decoding`, whose
+        graph a growth would branch, never sees one)."""
         self.capacity = capacity
         self.k, self.v = (Rows(capacity=capacity + 1 if capacity else 0) for _ in range(2))  # a spare row
         self.summaries = None  # a Rows per summary tensor, one row per window, from window 0
