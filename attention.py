@@ -180,7 +180,7 @@ class RMSNorm(nn.Module):
     """Qwen3's RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in float32. F.rms_norm
     is that formula: on a CPU the same five ops in the same order (the same bits), on a GPU
     one fused kernel where the formula launched five (4 launches fewer a norm: 36 of the
-    122 of an eager one-token step of a 2-layer `full`, docs/performance.md)."""
+    122 of an eager one-token step of a 2-layer `full`, docs/performance_log.md)."""
 
     def __init__(self, dim, eps=1e-6):
         super().__init__()

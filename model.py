@@ -197,7 +197,7 @@ class DecodeLinear(nn.Linear):
     fastest on an AMD EPYC). They are the floor under every variant's step, and which
     is fastest depends on the CPU: on an AMD CPU oneDNN's took 0.86x F.linear's time at batch
     1 and 0.91x at batch 8; on an Intel AVX-512 CPU oneDNN's took 1.17x F.linear's at batch 1,
-    and W x^T 0.76x at batch 8 (docs/performance.md). The forms round differently, so which
+    and W x^T 0.76x at batch 8 (docs/performance_log.md). The forms round differently, so which
     one a size got is said once per form (outside a trace), and DECODE_LINEAR=<form> (a name
     of FORMS) fixes one for a process and its children: two runs then match to the bit.
     Larger calls, every gradient, every GPU and autocast run F.linear. Inside a compiled step
