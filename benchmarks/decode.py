@@ -8,11 +8,16 @@ against the time to read once what its definition reads (the memory bound).
     python benchmarks/decode.py --device=cuda      # bf16; batch 1 and 16
     python benchmarks/decode.py --lengths=2048 --variants=full,nsa --steps=5   # a quick look
     python benchmarks/decode.py --compile --lengths=8192   # the steps through model.compile_decoding
+    python benchmarks/decode.py --variants=full,nsa --attention=nsa_cmp_block=32,nsa_cmp_stride=16,nsa_block=64,nsa_topk=16,nsa_window=512
+                                                   # other attention settings (here NSA's paper's sizes) for every model
 
 The model: qwen-134m's widths (12 heads of 64, no GQA, d_model 768, MLP 2432) cut to
 --layers=2, random weights, kernel='fused' (its decoding steps run kernels.DECODE), float32
 on a CPU (bf16 autocast on CUDA), the embedding and head at a 256-id vocabulary (--vocab), so
 that what a step reads is the layers and their caches. One thread by default (--threads).
+--attention sets attention.AttentionConfig fields for every model built (each variant's
+defaults otherwise; the settings line and the JSON record them, so saved rows of other
+settings are measured again).
 On a CPU, THP_MEM_ALLOC_ENABLE=1 in the environment (PyTorch's CPU allocator then puts every
 tensor of 2 MB or more on transparent huge pages) spares a long prefill's large temporaries
 their 4 KB page faults; the settings record it when it is set (docs/performance.md). And on a
@@ -92,7 +97,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from config import tf32_matmuls  # noqa: E402
+from attention import AttentionConfig  # noqa: E402
+from config import convert, tf32_matmuls  # noqa: E402
 from model import PRESETS, Model, ModelConfig, compile_decoding  # noqa: E402
 
 ORDER = ("full", "local", "dsa", "combiner", "nsa", "moba", "indexer", "caa", "asga")
@@ -101,8 +107,9 @@ THP = "THP_MEM_ALLOC_ENABLE"  # read by torch's allocator at its first allocatio
 BANDWIDTH_BYTES = 1 << 28  # read_bandwidth reads at least this much: past any CPU's caches
 
 
-def build(attn, layers, vocab, device, seed=0):
-    cfg = ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=attn, kernel="fused"))
+def build(attn, layers, vocab, device, seed=0, attention=None):
+    cfg = ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=attn, kernel="fused",
+                             **(attention or {})))
     torch.manual_seed(seed)
     return Model(cfg).to(device).eval()
 
@@ -204,12 +211,12 @@ def read_bandwidth(nbytes, device, repeats=5):
     return best
 
 
-def weight_products(layers, vocab, device, batch, repeats=5):
+def weight_products(layers, vocab, device, batch, repeats=5, attention=None):
     """Milliseconds of one token's products with every weight matrix of the model (each
     nn.Linear of `full`, in model order, at `batch` rows; median of `repeats` passes): what
     every variant's step does besides attention, and, at batch 1, a matrix-vector product
     per matrix, read from memory each pass (the matrices together outsize the caches)."""
-    model = build("full", layers, vocab, device)
+    model = build("full", layers, vocab, device, attention=attention)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(batch, m.in_features, device=device) for m in linears]
     times = []
@@ -296,7 +303,7 @@ def measure(attn, T, args, autocast, beside=None, keep=False):
     cache repeated from that one, `batch_beside`) and kept in the row (full_decode_ms,
     full_decode_batch_ms): its decoding ratios divide by those. keep: also return this
     model's step and its batch-1 cache after its batch-1 steps (full's, for `beside`)."""
-    model = build(attn, args.layers, args.vocab, args.device)
+    model = build(attn, args.layers, args.vocab, args.device, attention=args.attention)
     idx = torch.randint(0, args.vocab, (1, T), generator=torch.Generator().manual_seed(1)).to(args.device)
     step, how = compile_decoding(model) if args.compile else (model, "eager")
     # untimed steps before the timed ones, at each batch: compiled, those that take the step's
@@ -395,6 +402,28 @@ def table(rows, args, bandwidth):
     return "\n".join(out)
 
 
+# AttentionConfig's fields --attention may set, with their defaults: decode.py picks the variant and its kernel
+ATTENTION_KEYS = {f: getattr(AttentionConfig, f) for f in AttentionConfig.__dataclass_fields__ if f not in ("attn", "kernel")}
+
+
+def attention_settings(text, variants, layers, vocab):
+    """--attention's "key=value,..." -> {field: value typed as its default}, checked against
+    every variant asked for (its check_config's error, naming the variant, before any row)."""
+    settings = {}
+    for item in filter(None, text.split(",")):
+        key, eq, raw = item.partition("=")
+        if key not in ATTENTION_KEYS or not eq:
+            sys.exit(f"decode.py: --attention: {item!r} is not key=value of an attention setting; valid keys: "
+                     f"{', '.join(ATTENTION_KEYS)}")
+        settings[key] = convert(key, raw, ATTENTION_KEYS[key], AttentionConfig.CHOICES.get(key))
+    for name in variants:
+        try:
+            ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=name, **settings))
+        except ValueError as e:
+            sys.exit(f"decode.py: --attention={text}: {name}: {e}")
+    return settings
+
+
 def main(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -413,6 +442,10 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="decoding steps through model.compile_decoding (caches of fixed capacity; untimed warm-up "
                         "steps take its graphs)")
+    p.add_argument("--attention", default="",
+                   help="attention settings for every model, comma-separated key=value of AttentionConfig's fields "
+                        "(e.g. NSA's paper's sizes: nsa_cmp_block=32,nsa_cmp_stride=16,nsa_block=64,nsa_topk=16,"
+                        "nsa_window=512); each variant's defaults otherwise")
     p.add_argument("--malloc", default="kept", choices=("kept", "system"),
                    help="on a CPU, kept: the C allocator keeps freed memory for reuse (keep_freed_memory); "
                         "system: as it is")
@@ -427,6 +460,7 @@ def main(argv=None):
     if unknown:
         sys.exit(f"decode.py: unknown variants {sorted(unknown)}; valid: {', '.join(ORDER)}")
     args.batch = args.batch or (16 if args.device == "cuda" else 8)
+    args.attention = attention_settings(args.attention, args.variants, args.layers, args.vocab)
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                         f"decode_{args.device}{'_compiled' if args.compile else ''}.json")
     torch.set_num_threads(args.threads)
@@ -435,6 +469,7 @@ def main(argv=None):
     settings = dict(device=args.device, batch=args.batch, steps=args.steps, rounds=args.rounds, layers=args.layers, vocab=args.vocab,
                     threads=args.threads, torch=torch.__version__, host=host(args.device),
                     **({"compile": True} if args.compile else {}), **({"malloc": malloc} if args.device == "cpu" else {}),
+                    **({"attention": args.attention} if args.attention else {}),
                     **({"thp_mem_alloc": os.environ[THP]} if THP in os.environ else {}))
     saved = {}
     if os.path.exists(args.out) and not args.fresh:
@@ -490,7 +525,8 @@ def main(argv=None):
               f"{r['read_bandwidth'] / 1e9:.1f}" for r in measured if "read_bandwidth" in r) + " GB/s")
     weights = next((r["weight_bytes"] for r in measured), None)
     if weights:
-        one, many = (weight_products(args.layers, args.vocab, args.device, b) for b in (1, args.batch))
+        one, many = (weight_products(args.layers, args.vocab, args.device, b, attention=args.attention)
+                     for b in (1, args.batch))
         print(f"the weights' products alone (every nn.Linear, one token): {one:.1f} ms at batch 1 = "
               f"{one / (1e3 * weights / bandwidth):.2f}x the time to read the weights once; {many:.1f} ms at batch "
               f"{args.batch}")

@@ -470,6 +470,32 @@ def test_decode_benchmark_keeps_going_past_a_failed_row(tmp_path, monkeypatch):
     assert "decode_ms" in rows["nsa"] and "decode_ms" in rows["full"]
 
 
+def test_decode_benchmark_builds_every_model_with_the_attention_settings_asked_for(tmp_path):
+    """--attention=key=value,... builds every model with those AttentionConfig fields (here nsa
+    at other sizes: what its step's definition reads follows them, not its defaults), records
+    them in the settings, and refuses an unknown key, or sizes a variant rejects, before any
+    row runs: with the valid keys, or the variant's own error naming it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode
+    out = tmp_path / "decode.json"
+    sizes = dict(nsa_cmp_block=8, nsa_cmp_stride=4, nsa_block=16, nsa_topk=3, nsa_window=8)
+    flag = "--attention=" + ",".join(f"{k}={v}" for k, v in sizes.items())
+    run_decode(decode, ["--lengths=64", "--variants=nsa", "--steps=1", "--rounds=1", "--layers=1", f"--out={out}", flag])
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["attention"] == sizes
+    row, = saved["rows"]
+    # the step at position 64 (after 1 step): C = (65 - 8) // 4 + 1 = 15 compressed keys, 3 blocks
+    # of 16 keys, a window of 9; each a key and a value of 12 heads of 64 in float32 (the
+    # defaults would read 7 compressed keys and all 65 keys twice)
+    assert row["reads_per_layer"] == 4 * 2 * 12 * 64 * (15 + 3 * 16 + 9)
+    for bad, said in (("nsa_cmp_stride=5", "--attention=nsa_cmp_stride=5: nsa: nsa_cmp_stride=5 must divide"),
+                      ("attn=nsa", "is not key=value of an attention setting; valid keys: n_head")):
+        with pytest.raises(SystemExit) as e:
+            run_decode(decode, ["--lengths=64", "--variants=full,nsa", f"--out={tmp_path / 'bad.json'}", "--attention=" + bad])
+        assert said in str(e.value), e.value
+        assert not (tmp_path / "bad.json").exists()
+
+
 def test_decode_benchmark_times_its_eager_steps_after_an_untimed_one(tmp_path, monkeypatch):
     """An eager row takes one untimed step at each batch before its timed steps (a compiled
     helper, kernels.GatheredDots, compiles in its first call: a row's spread showed that, or
