@@ -397,8 +397,7 @@ class Rows:
     def _size(self, rows, first):
         """Rows of a new buffer that must hold `rows`: the first buffer `capacity` where that holds
         them and a spare (the positions the caller said are coming: a prompt and the tokens to
-        generate, no more), else twice `rows`. A first buffer of twice the prompt whatever the
-        capacity held a 32768-token prompt's keys and values in 65536 rows."""
+        generate, no more), else twice `rows`."""
         return self.capacity if first and self.capacity > rows else 2 * rows
 
     def _move(self, rows, like):
@@ -418,9 +417,9 @@ class Rows:
         appended is then that position's. Nothing moves, unless `free` (after a prompt) and
         more rows were dropped than are held (a window keeps a long prompt's last keys): then
         the rows held move to a buffer without the dropped ones, as large as the rows held and
-        the positions still to come in this one (with a capacity; else twice the rows held).
-        A 32768-token prompt kept local's 256 keys in 32768 rows. A one-token step's drop moves
-        nothing: its buffer stays put, as a compiled step's graph needs."""
+        the positions still to come in this one (with a capacity; else twice the rows held),
+        so a window does not keep a long prompt's rows for its few keys. A one-token step's drop
+        moves nothing: its buffer stays put, as a compiled step's graph needs."""
         drop = min(max(0, position - self.start), len(self))
         self.lo += drop
         self.start = max(self.start + drop, position)

@@ -101,8 +101,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=
     given, is called after every forward pass (cache is None without one): tests check the
     rolling cache's size there. `step`, when given (model.compile_decoding's), runs the
     one-token steps after the prompt. The cache is made for the prompt and the tokens to come:
-    allocated once, at that size, it never grows (a growth is a graph of its own for `step`),
-    and holds no more (grown from the prompt, it held twice the prompt)."""
+    allocated once, at that size, it never grows (a growth is a graph of its own for `step`)
+    and holds no more."""
     cache = model.new_cache(idx.shape[1] + max_new_tokens) if use_cache else None
     inputs = idx
     for i in range(max_new_tokens):

@@ -71,9 +71,9 @@ What is printed, per variant and T:
   (benchmarks/gpu_runs/h200_2026-11-28b.md: `full`'s 2-layer step 2.4-2.7 ms at any cache).
 
 --compile: each model's one-token steps through `model.compile_decoding` (torch.compile,
-dynamic shapes; caa stays eager, said in its row), and
-untimed warm-up steps at each batch before the timed ones (`warm_steps`), which take the
-step's graphs; `full` beside compiled alike. Its rows go to decode_<device>_compiled.json.
+dynamic shapes; caa stays eager, said in its row), and untimed warm-up steps at each batch
+before the timed ones (`warm_steps`), which take the step's graphs; `full` beside compiled
+alike. Its rows go to decode_<device>_compiled.json.
 
 A variant whose prefill would take longer than --budget seconds, extrapolated from its time
 at the last length as T^2 (asga's pair gate and caa's ranking score every (query, key) pair),
@@ -107,9 +107,15 @@ THP = "THP_MEM_ALLOC_ENABLE"  # read by torch's allocator at its first allocatio
 BANDWIDTH_BYTES = 1 << 28  # read_bandwidth reads at least this much: past any CPU's caches
 
 
+def model_config(attn, layers, vocab, attention=None):
+    """The benchmark's ModelConfig: qwen-134m's widths, `layers` layers, the variant's fused
+    kernels, and --attention's settings over its defaults."""
+    return ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=attn, kernel="fused",
+                              **(attention or {})))
+
+
 def build(attn, layers, vocab, device, seed=0, attention=None):
-    cfg = ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=attn, kernel="fused",
-                             **(attention or {})))
+    cfg = model_config(attn, layers, vocab, attention)
     torch.manual_seed(seed)
     return Model(cfg).to(device).eval()
 
@@ -418,7 +424,7 @@ def attention_settings(text, variants, layers, vocab):
         settings[key] = convert(key, raw, ATTENTION_KEYS[key], AttentionConfig.CHOICES.get(key))
     for name in variants:
         try:
-            ModelConfig(**dict(PRESETS["qwen-134m"], n_layer=layers, vocab_size=vocab, attn=name, **settings))
+            model_config(name, layers, vocab, settings)
         except ValueError as e:
             sys.exit(f"decode.py: --attention={text}: {name}: {e}")
     return settings
